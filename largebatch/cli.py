@@ -1,0 +1,75 @@
+"""`largebatch` command line: a thin dispatcher.
+
+Each command lives in its own module with `main(argv: list[str]) -> int`, which
+parses its own arguments. Only the chosen module is imported, so `largebatch plan`
+does not pay for importing the trainer, and each command owns its flags.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from largebatch.errors import UserError, report
+
+# command -> (module, one-line description). Two-word commands ("bench train") are
+# looked up first.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("largebatch.train_cli", "train a model with a recipe (one process or many)"),
+    "evaluate": ("largebatch.evaluate", "re-evaluate a finished run from its checkpoints or snapshots"),
+    "plan": ("largebatch.perf.cli", "predict step time, scaling efficiency, time-to-train and cost"),
+    "bench train": ("largebatch.bench.train", "training images/s: largebatch against a plain PyTorch loop"),
+    "bench data": ("largebatch.bench.data", "data pipeline images/s: largebatch against plain Pillow"),
+    "bench allreduce": ("largebatch.bench.allreduce", "all-reduce bus bandwidth per algorithm"),
+    "bench scaling": ("largebatch.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
+    "cluster run": ("largebatch.cluster", "run a command on real separate hosts made of network namespaces"),
+    "study batch-scaling": ("largebatch.study", "top-1 against global batch per optimizer"),
+    "data pack": ("largebatch.data.shards", "pack an ImageFolder into sequential tar shards"),
+    "chaos": ("largebatch.chaos", "kill workers at random during a run and check it survives"),
+}
+
+
+def _usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: largebatch COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "Run 'largebatch COMMAND --help' for the arguments of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from largebatch import __version__
+
+        print(__version__)
+        return 0
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in COMMANDS:
+            module_name, _ = COMMANDS[name]
+            rest = argv[words:]
+            break
+    else:
+        groups = sorted({c.split()[0] for c in COMMANDS})
+        print(f"largebatch: error: unknown command {' '.join(argv[:2])!r}; "
+              f"choose one of: {', '.join(groups)} (see 'largebatch --help').", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(module_name)
+        return int(module.main(rest) or 0)
+    except UserError as err:
+        return report(err)
+    except KeyboardInterrupt:
+        print("largebatch: interrupted", file=sys.stderr)
+        return 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad command lines as one sentence and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UserError(f"{self.prog}: {message} (see '{self.prog} --help').")

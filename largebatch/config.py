@@ -1,0 +1,364 @@
+"""Typed configuration: one dataclass per section, YAML recipes, `--set` overrides.
+
+A recipe is a YAML mapping of sections (``model``, ``data``, ``batch``, ``optim``,
+``schedule``, ``train``, ``comm``, ``ensemble``) to keys. Every key is a documented
+dataclass field; an unknown section or key is an error that names itself and the
+valid ones, so a recipe never sets a key that nobody reads. Builders receive only
+their own section (``build_optimizer(cfg.optim, model)``), never the whole config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from largebatch.errors import UserError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _choices(*values: str, doc: str) -> Any:
+    return field(default=values[0], metadata={"choices": values, "doc": doc})
+
+
+def _doc(default: Any, doc: str, **meta: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"doc": doc, **meta})
+    return field(default=default, metadata={"doc": doc, **meta})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _doc("resnet18", "architecture from largebatch.models.MODELS")
+    stem: str = _choices("auto", "imagenet", "small",
+                         doc="ImageNet 7x7/2 stem + max-pool, a 3x3/1 stem for 28-32 px images, "
+                             "or auto (small when data.image_size <= 64)")
+    zero_init_residual: bool = _doc(True, "zero-init the last BN gamma of each residual block (Goyal)")
+    width: int = _doc(64, "channels of the first stage (64 for the standard ResNets)")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic",
+                            doc="data source")
+    root: str = _doc("/usr/share/datasets/fashion-mnist",
+                     "directory of the IDX files, of train/ and val/ class folders, or of tar shards")
+    image_size: int = _doc(28, "training crop size in pixels (evaluation resizes to size/0.875 then centre-crops for ImageFolder)")
+    augment: bool = _doc(True, "random crop + horizontal flip for training (off during a collapse phase)")
+    crop_padding: int = _doc(2, "padding of the random crop for in-memory small images")
+    min_scale: float = _doc(0.08, "smallest area fraction of random-resized-crop (ImageFolder)")
+    loader_workers: int = _doc(2, "decoding processes per rank for JPEG sources (0 = in the training process)")
+    on_corrupt: str = _choices("skip", "fail", doc="a corrupt or truncated JPEG is skipped and listed, or fails the run")
+    num_classes: int = _doc(10, "classes of the synthetic source")
+    synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
+
+
+@dataclass
+class BatchConfig:
+    global_batch: int = _doc(256, "images per optimizer step across all workers")
+    micro_batch: Optional[int] = _doc(None, "largest per-worker forward batch; accumulation is derived from it")
+    accumulation: Optional[int] = _doc(None, "gradient-accumulation steps (derived when unset)")
+    phases: list = _doc([], "batch-size control: list of {start_epoch, global_batch, lr (optional peak lr)}; "
+                            "empty means global_batch for the whole run")
+
+
+@dataclass
+class OptimConfig:
+    name: str = _choices("sgd", "lars", "lamb", doc="optimizer")
+    lr: float = _doc(0.1, "learning rate per reference_batch images; scaled to the global batch by scaling_rule")
+    reference_batch: int = _doc(256, "batch size that lr is given for")
+    scaling_rule: str = _choices("linear", "sqrt", "none", doc="how the peak lr grows with the global batch")
+    momentum: float = _doc(0.9, "momentum")
+    nesterov: bool = _doc(False, "Nesterov momentum")
+    weight_decay: float = _doc(5e-5, "L2 weight decay on weights (not on BN or biases when no_decay_bn_bias)")
+    no_decay_bn_bias: bool = _doc(True, "parameters with ndim <= 1 (BN, biases) get no weight decay and no LARS/LAMB adaptation")
+    trust_coefficient: float = _doc(0.001, "LARS eta")
+    eps: float = _doc(0.0, "LARS: added to the norm denominator; LAMB: Adam epsilon when > 0 (default 1e-6)")
+    betas: list = _doc([0.9, 0.999], "LAMB moment coefficients")
+
+
+@dataclass
+class ScheduleConfig:
+    epochs: float = _doc(10.0, "training epochs")
+    warmup_epochs: float = _doc(2.0, "gradual linear warm-up (per step) from warmup_start_lr to the peak lr")
+    warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal)")
+    decay: str = _choices("cosine", "step", "poly", "constant", doc="decay after warm-up")
+    milestones: list = _doc([30, 60, 80], "epochs at which step decay multiplies the lr by gamma")
+    gamma: float = _doc(0.1, "step decay factor")
+    power: float = _doc(2.0, "poly decay power (LARS uses 2)")
+    end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = _doc(0, "seed of data order, augmentation and initialisation")
+    device: str = _choices("auto", "cpu", "cuda", doc="auto: cuda when available")
+    precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA)")
+    channels_last: str = _choices("auto", "on", "off", doc="NHWC memory format (auto: on for CUDA and bf16 CPU)")
+    compile: bool = _doc(False, "torch.compile the model")
+    threads: Optional[int] = _doc(None, "intra-op threads per worker (default cores / local workers)")
+    label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy")
+    log_every: int = _doc(50, "steps between metric lines (the only steps with host syncs)")
+    eval_every: int = _doc(1, "epochs between evaluations (0 = only at the end)")
+    eval_flip: bool = _doc(False, "test-time augmentation: average logits over the image and its mirror")
+    ema: Optional[float] = _doc(None, "decay of an exponential moving average of weights used for evaluation")
+    checkpoint_every: int = _doc(0, "steps between checkpoints (0 = only every epoch and at the end)")
+    keep_checkpoints: int = _doc(3, "checkpoints kept on disk (the newest ones)")
+    max_steps: Optional[int] = _doc(None, "stop after this many steps (tests, benchmarks)")
+    tensorboard: bool = _doc(False, "also write TensorBoard event files (pip install -e .[tensorboard])")
+    plots: bool = _doc(True, "write PNG plots of the metrics at the end")
+    max_nonfinite: int = _doc(20, "abort after this many consecutive steps with non-finite loss or gradients")
+    deterministic: bool = _doc(False, "deterministic kernels (bitwise resume on CPU is the default anyway)")
+
+
+@dataclass
+class CommConfig:
+    algorithm: str = _choices("native", "ring", "halving_doubling", "torus2d", "hierarchical", "noop",
+                              doc="all-reduce of gradient buckets (noop: no communication, for measurement only)")
+    compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
+    bucket_mb: float = _doc(25.0, "DDP bucket size in MB (tensor fusion)")
+    grid: Optional[str] = _doc(None, "torus2d grid 'XxY' (default: processes per node x nodes)")
+    timeout_s: float = _doc(600.0, "collective timeout; when it fires the error names the missing ranks")
+
+
+@dataclass
+class EnsembleConfig:
+    cycles: int = _doc(0, "Collapsed Ensemble: cycles after the base schedule (0 = off)")
+    cycle_epochs: float = _doc(2.0, "epochs of one cycle: re-warm-up then poly-2 decay")
+    rewarm_epochs: float = _doc(0.5, "re-warm-up epochs at the start of each cycle")
+    cycle_lr_factor: float = _doc(0.5, "peak lr of a cycle relative to the base peak lr")
+    collapse_epochs: float = _doc(1.0, "collapse: augmentation off, weight decay x factor, lr poly-2 to zero")
+    collapse_wd_factor: float = _doc(2.0, "weight-decay multiplier during a collapse")
+    swa: bool = _doc(False, "also report the weight average of the snapshots (BN statistics recomputed)")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "batch": BatchConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "comm": CommConfig,
+    "ensemble": EnsembleConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
+    recipe: str = "custom"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable hash of the resolved config (compared across ranks at start-up)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------
+# Loading and validation
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    if origin in (list, dict):
+        return origin.__name__
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
+    """Check `value` against the field type `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(where, value, args[0], meta)
+    ok = True
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif tp is list or origin is list:
+        ok = isinstance(value, list)
+    elif tp is dict or origin is dict:
+        ok = isinstance(value, dict)
+    if not ok:
+        raise UserError(f"{where} must be a {_type_name(tp)}, got {value!r}; fix it in the recipe or with --set {where}=VALUE.")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"{where} is {value!r}; valid values: {', '.join(choices)}.")
+    return value
+
+
+def _section_from_dict(name: str, cls: type, data: Any) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"recipe section {name!r} must be a mapping of keys to values, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise UserError(f"unknown key {name}.{key}{_suggest(str(key), list(fields))}; "
+                            f"valid keys of {name}: {', '.join(fields)}.")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], dict(fields[key].metadata))
+    return cls(**kwargs)
+
+
+def from_dict(data: dict, recipe: str = "custom") -> Config:
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {recipe!r} must be a YAML mapping of sections ({', '.join(SECTIONS)}).")
+    data = dict(data)
+    data.pop("recipe", None)
+    for name in data:
+        if name not in SECTIONS:
+            raise UserError(f"unknown recipe section {name!r}{_suggest(str(name), list(SECTIONS))}; "
+                            f"valid sections: {', '.join(SECTIONS)}.")
+    sections = {name: _section_from_dict(name, cls, data.get(name)) for name, cls in SECTIONS.items()}
+    cfg = Config(**sections, recipe=recipe)
+    validate(cfg)
+    return cfg
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str) -> Path:
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or "/" in recipe:
+        if not path.is_file():
+            raise UserError(f"recipe file {recipe} does not exist; give a YAML path or one of: {', '.join(list_recipes())}.")
+        return path
+    path = RECIPES_DIR / f"{recipe}.yaml"
+    if not path.is_file():
+        raise UserError(f"no recipe named {recipe!r}{_suggest(recipe, list_recipes())}; "
+                        f"available: {', '.join(list_recipes())}, or a path to a YAML file.")
+    return path
+
+
+def load_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"cannot read recipe {path}: {err.strerror}; check the path and its permissions.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"recipe {path} is not valid YAML{where}; fix the syntax there.") from None
+    return data or {}
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` strings; values are parsed as YAML (so 3, 0.1, true, [1, 2] work)."""
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UserError(f"--set {item!r} is not of the form section.key=value (e.g. --set optim.lr=0.2).")
+        dotted, raw = item.split("=", 1)
+        section, key = dotted.split(".", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if section not in SECTIONS:
+            raise UserError(f"--set {dotted}: unknown section {section!r}{_suggest(section, list(SECTIONS))}; "
+                            f"valid sections: {', '.join(SECTIONS)}.")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            hints = typing.get_type_hints(SECTIONS[section])
+            if hints.get(key) is str:
+                value = raw
+        data.setdefault(section, {})
+        if data[section] is None:
+            data[section] = {}
+        data[section][key] = value
+    return data
+
+
+def load(recipe: str = "fashion_mnist", overrides: list[str] | None = None) -> Config:
+    path = resolve_recipe(recipe)
+    data = apply_overrides(load_yaml(path), overrides or [])
+    name = path.stem if path.parent == RECIPES_DIR else str(path)
+    return from_dict(data, recipe=name)
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that types alone cannot express. Each names the key and the fix."""
+    def positive(where: str, value: float, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = "zero or more" if allow_zero else "positive"
+            raise UserError(f"{where} is {value}; it must be {bound}.")
+
+    positive("optim.lr", cfg.optim.lr)
+    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    positive("optim.reference_batch", cfg.optim.reference_batch)
+    positive("optim.trust_coefficient", cfg.optim.trust_coefficient)
+    if not 0 <= cfg.optim.momentum < 1:
+        raise UserError(f"optim.momentum is {cfg.optim.momentum}; it must be in [0, 1).")
+    positive("batch.global_batch", cfg.batch.global_batch)
+    positive("batch.micro_batch", cfg.batch.micro_batch)
+    positive("batch.accumulation", cfg.batch.accumulation)
+    positive("schedule.epochs", cfg.schedule.epochs)
+    positive("schedule.warmup_epochs", cfg.schedule.warmup_epochs, allow_zero=True)
+    positive("schedule.warmup_start_lr", cfg.schedule.warmup_start_lr, allow_zero=True)
+    positive("data.image_size", cfg.data.image_size)
+    positive("train.log_every", cfg.train.log_every)
+    positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
+    positive("comm.bucket_mb", cfg.comm.bucket_mb)
+    positive("comm.timeout_s", cfg.comm.timeout_s)
+    if not 0 <= cfg.train.label_smoothing < 1:
+        raise UserError(f"train.label_smoothing is {cfg.train.label_smoothing}; it must be in [0, 1).")
+    if cfg.train.ema is not None and not 0 < cfg.train.ema < 1:
+        raise UserError(f"train.ema is {cfg.train.ema}; it must be in (0, 1) or null.")
+    if cfg.schedule.warmup_epochs > cfg.schedule.epochs:
+        raise UserError(f"schedule.warmup_epochs ({cfg.schedule.warmup_epochs}) is longer than schedule.epochs "
+                        f"({cfg.schedule.epochs}); shorten the warm-up or train longer.")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise UserError(f"optim.betas is {cfg.optim.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
+    for i, phase in enumerate(cfg.batch.phases):
+        if not isinstance(phase, dict) or "start_epoch" not in phase or "global_batch" not in phase:
+            raise UserError(f"batch.phases[{i}] must be a mapping with start_epoch and global_batch "
+                            f"(and optionally lr), got {phase!r}.")
+        unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
+        if unknown:
+            raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
+
+
+def save(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,84 @@
+"""The one launch path: the torchrun environment.
+
+`init()` reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK as
+torchrun sets them; without them it is a single process (world size 1) and the
+same code runs. gloo on CPU, NCCL on CUDA.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_info() -> DistInfo:
+    """Layout from the torchrun environment, without initialising anything."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return DistInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=local_world,
+        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
+    )
+
+
+def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
+    """Initialise the default process group when launched by torchrun."""
+    info = env_info()
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return info
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pick_device(choice: str) -> torch.device:
+    from largebatch.errors import UserError
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device is cuda but no CUDA device is visible; set --set train.device=cpu or auto.")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", env_info().local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def set_threads(threads: int | None, local_world_size: int) -> int:
+    """Intra-op threads per worker: cores / local workers unless given (no oversubscription)."""
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
