@@ -1,0 +1,137 @@
+"""What a run reports: metrics.jsonl, a live progress display, the summary, plots.
+
+Only rank 0 writes. Values arrive here already as Python numbers: the trainer does its
+host syncs on logging steps only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class MetricsLog:
+    """Appends one JSON object per line; reopened in append mode so a resumed run continues it."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path = path
+        self.enabled = enabled
+        self._f = open(path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._f:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+
+def read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:   # a line cut by a kill mid-write
+            pass
+    return out
+
+
+class ProgressDisplay:
+    """A rich progress bar on a terminal; plain log lines otherwise (CI logs, files)."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.console = Console(stderr=True)
+        self.live = enabled and self.console.is_terminal
+        self.progress = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(),
+                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]} lr {task.fields[lr]} batch {task.fields[batch]} "
+                           "{task.fields[ips]} img/s"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               epoch=0, loss="-", lr="-", batch="-", ips="-")
+            self.progress.start()
+
+    def update(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        if self.live:
+            self.progress.update(self.task, completed=rec["step"], epoch=f"{rec['epoch']:.2f}",
+                                 loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.4g}", batch=rec["global_batch"],
+                                 ips=f"{rec['images_per_s']:.0f}")
+        else:
+            print(f"epoch {rec['epoch']:6.2f}  step {rec['step']:6d}  loss {rec['loss']:.4f}  lr {rec['lr']:.4g}  "
+                  f"batch {rec['global_batch']}  {rec['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title="largebatch run summary", show_header=False)
+    for key in ("final_top1", "final_top5", "best_top1", "epochs", "steps", "wall_s", "train_images_per_s",
+                "world_size", "global_batch", "nonfinite_steps", "corrupt_images"):
+        if key in summary:
+            value = summary[key]
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    return table
+
+
+def plot(records: list[dict], out_dir: Path) -> list[Path]:
+    """PNGs of loss, top-1, lr and batch size against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    series = {
+        "loss": (train, "loss", "training loss"),
+        "top1": (evals, "top1", "test top-1"),
+        "lr": (train, "lr", "learning rate"),
+        "batch": (train, "global_batch", "global batch"),
+    }
+    paths = []
+    for name, (rows, key, label) in series.items():
+        rows = [r for r in rows if key in r]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if len(rows) < 50 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+class Timer:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,201 @@
+"""The step plan: global batch per phase, gradient accumulation, and the lr at every step.
+
+Everything here is a pure function of the step, so a resumed run needs nothing but the
+step number to continue the same schedule, batch phase and data position.
+
+1. Peak lr from the scaling rule (Goyal): lr_peak = lr * B / 256 (linear) or
+   lr * sqrt(B / 256) (sqrt), per phase when the global batch B changes (batch-size
+   control, Sony / Smith et al.), unless the phase gives its own lr.
+2. Gradual warm-up: per step, linearly from `warmup_start_lr` (default: the unscaled lr,
+   0.1 in Goyal's recipe) to the peak lr over `warmup_epochs` epochs.
+3. Decay after warm-up as a function of the epoch (a float: step / steps_per_epoch):
+   step (x gamma at each milestone), poly (to end_lr with `power`, 2 for LARS),
+   cosine (to end_lr), or constant.
+Momentum correction when the lr changes is the optimizer's business (see optim/lars.py;
+torch's SGD applies lr after momentum, which is the corrected form).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from largebatch.errors import UserError
+
+
+def scaled_lr(lr: float, global_batch: int, reference_batch: int = 256, rule: str = "linear") -> float:
+    """Peak lr for `global_batch` from an lr given for `reference_batch` images."""
+    ratio = global_batch / reference_batch
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    if rule == "none":
+        return lr
+    raise ValueError(f"unknown scaling rule {rule!r}")
+
+
+def decay_factor(epoch: float, *, warmup_epochs: float, epochs: float, decay: str,
+                 milestones: tuple = (), gamma: float = 0.1, power: float = 2.0,
+                 peak: float = 1.0, end: float = 0.0) -> float:
+    """lr after warm-up at a (fractional) epoch, going from `peak` at the end of warm-up."""
+    if decay == "constant":
+        return peak
+    if decay == "step":
+        return peak * gamma ** bisect.bisect_right(sorted(milestones), epoch)
+    span = max(epochs - warmup_epochs, 1e-12)
+    t = min(max((epoch - warmup_epochs) / span, 0.0), 1.0)
+    if decay == "poly":
+        return end + (peak - end) * (1.0 - t) ** power
+    if decay == "cosine":
+        return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * t))
+    raise ValueError(f"unknown decay {decay!r}")
+
+
+def lr_at_epoch(epoch: float, *, peak_lr: float, start_lr: float, warmup_epochs: float, epochs: float,
+                decay: str, milestones: tuple = (), gamma: float = 0.1, power: float = 2.0,
+                end_lr: float = 0.0) -> float:
+    """Warm-up then decay; `epoch` is fractional (step / steps_per_epoch) so warm-up is per step."""
+    if warmup_epochs > 0 and epoch < warmup_epochs:
+        return start_lr + (peak_lr - start_lr) * epoch / warmup_epochs
+    return decay_factor(epoch, warmup_epochs=warmup_epochs, epochs=epochs, decay=decay,
+                        milestones=milestones, gamma=gamma, power=power, peak=peak_lr, end=end_lr)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of whole epochs at one global batch."""
+    start_epoch: int
+    end_epoch: float
+    global_batch: int
+    peak_lr: float
+    micro_batch: int          # images per worker per forward/backward
+    accumulation: int         # micro-batches per optimizer step
+    steps_per_epoch: int
+    start_step: int           # global step at which the phase starts
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.micro_batch * self.accumulation
+
+    @property
+    def steps(self) -> int:
+        return round((self.end_epoch - self.start_epoch) * self.steps_per_epoch)
+
+
+def split_batch(global_batch: int, world_size: int, micro_batch: int | None = None,
+                accumulation: int | None = None, where: str = "batch.global_batch") -> tuple[int, int]:
+    """(micro_batch, accumulation) with micro_batch x world_size x accumulation == global_batch."""
+    if global_batch % world_size:
+        raise UserError(f"{where} = {global_batch} is not divisible by the world size {world_size}; "
+                        f"choose a global batch that is a multiple of {world_size} or change the number of workers.")
+    per_worker = global_batch // world_size
+    if accumulation is None and micro_batch is not None:
+        if micro_batch >= per_worker:
+            accumulation = 1
+        else:
+            accumulation = math.ceil(per_worker / micro_batch)
+            while per_worker % accumulation:   # smallest accumulation >= needed that divides evenly
+                accumulation += 1
+    accumulation = accumulation or 1
+    if per_worker % accumulation:
+        raise UserError(f"{where} = {global_batch} over {world_size} workers is {per_worker} images per worker, "
+                        f"not divisible by batch.accumulation = {accumulation}; "
+                        f"pick a global batch divisible by workers x accumulation ({world_size * accumulation}).")
+    return per_worker // accumulation, accumulation
+
+
+class Plan:
+    """The resolved schedule of a run: phases, steps and lr per step. Pure and cheap."""
+
+    def __init__(self, batch_cfg, optim_cfg, schedule_cfg, *, world_size: int, train_size: int):
+        self.schedule = schedule_cfg
+        self.optim = optim_cfg
+        self.world_size = world_size
+        self.train_size = train_size
+        self.epochs = schedule_cfg.epochs
+        self.start_lr = optim_cfg.lr if schedule_cfg.warmup_start_lr is None else schedule_cfg.warmup_start_lr
+        raw = batch_cfg.phases or [{"start_epoch": 0, "global_batch": batch_cfg.global_batch}]
+        raw = sorted(raw, key=lambda p: p["start_epoch"])
+        if raw[0]["start_epoch"] != 0:
+            raise UserError(f"batch.phases must start at epoch 0 (the first starts at {raw[0]['start_epoch']}); "
+                            "add a phase with start_epoch: 0.")
+        phases: list[Phase] = []
+        step = 0
+        for i, p in enumerate(raw):
+            start = p["start_epoch"]
+            if not isinstance(start, int) or isinstance(start, bool):
+                raise UserError(f"batch.phases[{i}].start_epoch is {start!r}; phases begin at whole epochs, give an integer.")
+            end = raw[i + 1]["start_epoch"] if i + 1 < len(raw) else self.epochs
+            if end <= start or start >= self.epochs:
+                raise UserError(f"batch.phases[{i}] starts at epoch {start}, at or after where it ends ({end}); "
+                                f"phases need increasing start epochs below schedule.epochs = {self.epochs}.")
+            gb = p["global_batch"]
+            if not isinstance(gb, int) or gb <= 0:
+                raise UserError(f"batch.phases[{i}].global_batch is {gb!r}; give a positive integer.")
+            if gb > train_size:
+                raise UserError(f"global batch {gb} is larger than the {train_size} training images; "
+                                "use a smaller batch.")
+            where = f"batch.phases[{i}].global_batch" if batch_cfg.phases else "batch.global_batch"
+            micro, accum = split_batch(gb, world_size, batch_cfg.micro_batch, batch_cfg.accumulation, where)
+            peak = p.get("lr")
+            if peak is None:
+                peak = scaled_lr(optim_cfg.lr, gb, optim_cfg.reference_batch, optim_cfg.scaling_rule)
+            elif not isinstance(peak, (int, float)) or peak <= 0:
+                raise UserError(f"batch.phases[{i}].lr is {peak!r}; give a positive number or leave it out.")
+            spe = train_size // gb
+            phase = Phase(start, end, gb, float(peak), micro, accum, spe, step)
+            phases.append(phase)
+            step += phase.steps
+        self.phases = phases
+        self.total_steps = step
+        if self.total_steps <= 0:
+            raise UserError("the schedule has no training steps; train for more epochs or use a smaller batch.")
+
+    def phase_at(self, step: int) -> Phase:
+        i = bisect.bisect_right([p.start_step for p in self.phases], step) - 1
+        return self.phases[max(i, 0)]
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within that epoch) of a global step."""
+        phase = self.phase_at(step)
+        done = step - phase.start_step
+        return phase.start_epoch + done // phase.steps_per_epoch, done % phase.steps_per_epoch
+
+    def epoch_float(self, step: int) -> float:
+        phase = self.phase_at(step)
+        return phase.start_epoch + (step - phase.start_step) / phase.steps_per_epoch
+
+    def lr(self, step: int) -> float:
+        s = self.schedule
+        phase = self.phase_at(step)
+        return lr_at_epoch(self.epoch_float(step), peak_lr=phase.peak_lr, start_lr=self.start_lr,
+                           warmup_epochs=s.warmup_epochs, epochs=s.epochs, decay=s.decay,
+                           milestones=tuple(s.milestones), gamma=s.gamma, power=s.power, end_lr=s.end_lr)
+
+    def epoch_end_steps(self) -> list[int]:
+        """Global steps (exclusive) at which an epoch ends."""
+        ends = []
+        for p in self.phases:
+            for k in range(1, p.steps // p.steps_per_epoch + 1):
+                ends.append(p.start_step + k * p.steps_per_epoch)
+            if p.steps % p.steps_per_epoch:
+                ends.append(p.start_step + p.steps)
+        return ends
+
+    def describe(self) -> dict:
+        first = self.phases[0]
+        return {
+            "world_size": self.world_size,
+            "train_size": self.train_size,
+            "epochs": self.epochs,
+            "total_steps": self.total_steps,
+            "warmup_steps": round(self.schedule.warmup_epochs * first.steps_per_epoch),
+            "warmup_start_lr": self.start_lr,
+            "phases": [{
+                "start_epoch": p.start_epoch, "end_epoch": p.end_epoch, "global_batch": p.global_batch,
+                "per_worker_batch": p.per_worker_batch, "micro_batch": p.micro_batch,
+                "accumulation": p.accumulation, "peak_lr": p.peak_lr,
+                "steps_per_epoch": p.steps_per_epoch, "steps": p.steps, "start_step": p.start_step,
+            } for p in self.phases],
+        }
