@@ -1,0 +1,43 @@
+"""Image classifiers of largebatch: ResNet-18..152 (ImageNet or small-image stem), AlexNet-BN,
+the `Normalize` input layer and the forward-cost counter.
+
+`build_model(name, num_classes, ...)` is the one entry point; `MODELS` is a plain dict of
+constructors taking (num_classes, in_channels, stem, zero_init_residual, width) as keywords.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from largebatch.errors import UserError
+from largebatch.models.alexnet import AlexNetBN, alexnet_bn
+from largebatch.models.flops import count_flops, count_macs
+from largebatch.models.normalize import Normalize
+from largebatch.models.resnet import STEMS, ResNet, resnet18, resnet34, resnet50, resnet101, resnet152
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18": resnet18,
+    "resnet34": resnet34,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "resnet152": resnet152,
+    "alexnet_bn": alexnet_bn,
+}
+
+
+def build_model(name: str, num_classes: int, in_channels: int = 3, stem: str = "imagenet",
+                zero_init_residual: bool = True, width: int = 64) -> nn.Module:
+    """The model `name` from MODELS; user errors (unknown name, bad stem or sizes) raise UserError."""
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (model.name).")
+    if stem not in STEMS:
+        raise UserError(f"unknown stem {stem!r}; choose one of: {', '.join(STEMS)} (model.stem).")
+    for key, value in (("num_classes", num_classes), ("in_channels", in_channels), ("width", width)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{key} is {value!r}; it must be a positive integer.")
+    return MODELS[name](num_classes=num_classes, in_channels=in_channels, stem=stem,
+                        zero_init_residual=zero_init_residual, width=width)
+
+
+__all__ = ["MODELS", "build_model", "Normalize", "count_flops", "count_macs", "ResNet", "AlexNetBN"]
