@@ -1,0 +1,120 @@
+"""The data layer: sources of uint8 NCHW batches and the exactly-once samplers.
+
+``build_data(cfg.data, seed)`` returns ``(train, test, info)``. A source has
+``__len__``, a ``corrupt`` list of skipped files, and
+``batches(index_batches, *, train, epoch)`` that yields ``(x_uint8_nchw, y_int64)``
+for each index batch, in order. Index batches come from ``largebatch.data.sampler``.
+Augmentation is a function of ``(seed, epoch, image index)``, so any number of loader
+workers, ranks, or a resumed run give identical batches. Pixels stay uint8 until the
+model's ``Normalize(info.mean, info.std)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from largebatch.errors import UserError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    num_classes: int
+    in_channels: int
+    image_size: int
+    mean: tuple[float, ...]  # per channel, in 0..1 units
+    std: tuple[float, ...]
+    train_size: int
+    test_size: int
+    name: str
+
+
+class Source(Protocol):
+    corrupt: list[str]
+
+    def __len__(self) -> int: ...
+
+    def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 NCHW images, in 0..1 units (exact integer sums)."""
+    c = images.shape[1]
+    x = images.transpose(0, 1).reshape(c, -1).to(torch.int64)
+    count = x.shape[1]
+    s1 = x.sum(1).double()
+    s2 = (x * x).sum(1).double()
+    mean = s1 / count
+    std = (s2 / count - mean * mean).clamp_min(0).sqrt()
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+def _resize_uint8(images: torch.Tensor, size: int) -> torch.Tensor:
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    out = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _build_idx(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
+    from largebatch.data import idx
+    from largebatch.data.memory import MemorySource
+
+    root = cfg.root or FASHION_MNIST_ROOT
+    train_x, train_y = idx.load_split(root, "train")
+    test_x, test_y = idx.load_split(root, "t10k")
+    train_x = _resize_uint8(train_x, cfg.image_size)
+    test_x = _resize_uint8(test_x, cfg.image_size)
+    mean, std = _channel_stats(train_x)
+    num_classes = int(max(train_y.max(), test_y.max())) + 1
+    train = MemorySource(train_x, train_y, seed=seed, augment=cfg.augment, padding=cfg.crop_padding)
+    test = MemorySource(test_x, test_y, seed=seed, augment=False, padding=0)
+    name = "fashion_mnist" if cfg.dataset == "fashion_mnist" else f"idx:{Path(root).name}"
+    return train, test, DatasetInfo(num_classes, 1, cfg.image_size, mean, std, len(train), len(test), name)
+
+
+def _build_synthetic(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
+    from largebatch.data.synthetic import SyntheticSource
+
+    if cfg.num_classes < 2:
+        raise UserError(f"data.num_classes is {cfg.num_classes}; the synthetic source needs at least 2.")
+    if cfg.synthetic_size < 1:
+        raise UserError(f"data.synthetic_size is {cfg.synthetic_size}; it must be positive.")
+    train = SyntheticSource(cfg.synthetic_size, cfg.num_classes, cfg.image_size, seed=seed,
+                            augment=cfg.augment, padding=cfg.crop_padding)
+    test_size = max(1, cfg.synthetic_size // 8)
+    test = SyntheticSource(test_size, cfg.num_classes, cfg.image_size, seed=seed + 1, augment=False, padding=0)
+    uniform_std = (255 * 257 / 12) ** 0.5 / 255  # std of a uniform integer in 0..255
+    return train, test, DatasetInfo(cfg.num_classes, 3, cfg.image_size, (0.5,) * 3, (uniform_std,) * 3,
+                                    len(train), len(test), "synthetic")
+
+
+def build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
+    """(train, test, info) for the `data` section of the config."""
+    if cfg.crop_padding < 0:
+        raise UserError(f"data.crop_padding is {cfg.crop_padding}; it must be zero or more.")
+    if cfg.loader_workers < 0:
+        raise UserError(f"data.loader_workers is {cfg.loader_workers}; it must be zero or more.")
+    if not 0 < cfg.min_scale <= 1:
+        raise UserError(f"data.min_scale is {cfg.min_scale}; it must be in (0, 1].")
+    if cfg.dataset in ("fashion_mnist", "idx"):
+        return _build_idx(cfg, seed)
+    if cfg.dataset == "synthetic":
+        return _build_synthetic(cfg, seed)
+    if cfg.dataset == "imagefolder":
+        from largebatch.data.imagefolder import build_imagefolder
+
+        return build_imagefolder(cfg, seed)
+    if cfg.dataset == "shards":
+        from largebatch.data.shards import build_shards
+
+        return build_shards(cfg, seed)
+    raise UserError(f"data.dataset is {cfg.dataset!r}; valid: fashion_mnist, idx, imagefolder, shards, synthetic.")
