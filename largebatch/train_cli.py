@@ -1,0 +1,199 @@
+"""`largebatch train [RECIPE] [--set section.key=value ...] [--nproc-per-node N] [--run-dir DIR] [--resume] [--dry-run]`
+
+One launch path: the program reads the torchrun environment, so
+`torchrun --nproc-per-node N -m largebatch train RECIPE` and
+`largebatch train RECIPE --nproc-per-node N` (which starts the same workers through
+torch's elastic launcher, rendezvous bound to loopback) run the same code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from largebatch import config as config_mod
+from largebatch.cli import ArgumentParser
+from largebatch.errors import UserError
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="largebatch train", description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", nargs="?", default="fashion_mnist",
+                   help=f"recipe name ({', '.join(config_mod.list_recipes())}) or a YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe key (repeatable), e.g. --set optim.lr=0.2")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start N local workers through torch's elastic launcher")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc-per-node: restart the worker group up to K times after a failure")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<recipe>-<time>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint of --run-dir (default: the newest run of the recipe)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="with --dry-run: resolve the plan for this many workers (e.g. 2048)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _latest_run(recipe: str) -> Path | None:
+    name = Path(recipe).stem
+    runs = sorted(Path("runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
+    from largebatch.schedule import Plan
+
+    train_size = _train_size(cfg)
+    plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size)
+    d = plan.describe()
+    first = d["phases"][0]
+    return {
+        "recipe": cfg.recipe, "model": cfg.model.name, "optimizer": cfg.optim.name,
+        "world_size": world_size, "global_batch": first["global_batch"],
+        "per_worker_batch": first["per_worker_batch"], "micro_batch": first["micro_batch"],
+        "accumulation": first["accumulation"], "peak_lr": first["peak_lr"],
+        "warmup_start_lr": d["warmup_start_lr"], "warmup_steps": d["warmup_steps"],
+        "steps_per_epoch": first["steps_per_epoch"], "total_steps": d["total_steps"], "epochs": d["epochs"],
+        "weight_decay": cfg.optim.weight_decay, "no_decay_bn_bias": cfg.optim.no_decay_bn_bias,
+        "decay": cfg.schedule.decay, "label_smoothing": cfg.train.label_smoothing,
+        "precision": cfg.train.precision, "train_size": train_size, "phases": d["phases"],
+    }
+
+
+def _train_size(cfg: config_mod.Config) -> int:
+    known = getattr(cfg.data, "train_size", None)
+    if known:
+        return known
+    from largebatch.data import build_data
+
+    train, _, _ = build_data(cfg.data, cfg.train.seed)
+    return len(train)
+
+
+def print_plan(plan: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"largebatch plan: {plan['recipe']}", show_header=False)
+    for key, value in plan.items():
+        if key != "phases":
+            table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    if len(plan["phases"]) > 1:
+        phases = Table(title="batch phases")
+        cols = ["start_epoch", "end_epoch", "global_batch", "per_worker_batch", "accumulation", "peak_lr",
+                "steps_per_epoch", "steps"]
+        for c in cols:
+            phases.add_column(c)
+        for ph in plan["phases"]:
+            phases.add_row(*[f"{ph[c]:.6g}" if isinstance(ph[c], float) else str(ph[c]) for c in cols])
+        Console().print(phases)
+
+
+def launch(args, argv: list[str]) -> int:
+    """Start the workers through torch's elastic launcher (torchrun), rendezvous on loopback."""
+    from torch.distributed.run import main as torchrun_main
+
+    if args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
+    run_dir = args.run_dir
+    if run_dir is None:
+        if args.resume:
+            run_dir = _latest_run(args.recipe)
+            if run_dir is None:
+                raise UserError(f"--resume found no run of {args.recipe!r} under runs/; give --run-dir.")
+        else:
+            run_dir = Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    worker_argv = []
+    skip = False
+    for i, a in enumerate(argv):   # the same arguments minus the launcher's own
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc-per-node", "--max-restarts", "--run-dir"):
+            skip = True
+            continue
+        if a.startswith(("--nproc-per-node=", "--max-restarts=", "--run-dir=")):
+            continue
+        worker_argv.append(a)
+    worker_argv += ["--run-dir", str(run_dir)]
+    port = _free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+                "--max-restarts", str(args.max_restarts), "-m", "largebatch", "train", *worker_argv]
+    print(f"largebatch: starting {args.nproc_per_node} workers (torchrun {' '.join(launcher[:12])} ...)",
+          file=sys.stderr, flush=True)
+    try:
+        torchrun_main(launcher)
+    except SystemExit as exc:   # torchrun exits through sys.exit on success
+        code = exc.code or 0
+    except Exception as exc:    # ChildFailedError: the workers' own messages are already printed
+        if type(exc).__name__ == "ChildFailedError":
+            failures = getattr(exc, "failures", {})
+            codes = [f.exitcode for f in failures.values()] if failures else [1]
+            return 2 if all(c == 2 for c in codes) else 1
+        raise
+    else:
+        code = 0
+    if code == 0:
+        _announce(run_dir)
+    return int(code)
+
+
+def _announce(run_dir: Path) -> None:
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        from rich.console import Console
+
+        from largebatch.metrics import summary_table
+
+        Console(stderr=True).print(summary_table(json.loads(summary.read_text())))
+        print(f"largebatch: run directory {run_dir} (plots in {run_dir / 'plots'})", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    cfg = config_mod.load(args.recipe, args.overrides)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if args.dry_run:
+        world = args.world_size or (args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1")))
+        if world < 1:
+            raise UserError(f"--world-size is {world}; give 1 or more workers.")
+        plan = dry_run(cfg, world)
+        if os.environ.get("RANK", "0") == "0":
+            print_plan(plan)
+            print(json.dumps(plan))
+        return 0
+    if args.nproc_per_node is not None and not under_torchrun:
+        return launch(args, argv)
+
+    from largebatch.trainer import Trainer
+
+    resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    run_dir = args.run_dir
+    if resume and run_dir is None:
+        run_dir = _latest_run(cfg.recipe)
+        if run_dir is None:
+            raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
+    trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
+    try:
+        summary = trainer.fit()
+    finally:
+        from largebatch import dist as dist_mod
+
+        dist_mod.shutdown()
+    if not under_torchrun and not summary.get("stopped"):
+        _announce(trainer.run_dir)
+    return 0

@@ -1,0 +1,491 @@
+"""The training loop: synchronous data-parallel SGD with the large-batch recipe.
+
+`Trainer.__init__` reads top to bottom in the order things are built:
+device and process group -> run directory -> data -> step plan -> model -> DDP and comm
+hook -> optimizer -> precision -> checkpoint restore. `fit()` runs the steps.
+
+Per step (Goyal et al.): every worker takes its contiguous slice of the step's global batch
+from one shuffle per epoch, runs `accumulation` micro-batches (DDP's `no_sync()` on all but
+the last), each micro-batch's loss summed over its images and divided by the per-worker batch,
+so that DDP's average over workers normalises the gradient by the global batch. The lr of
+the step comes from the plan (scaling rule, warm-up, decay, batch phase). Host syncs happen
+once per step for the non-finite check (one scalar) and on logging steps only otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from largebatch import checkpoint, dist as dist_mod, metrics as metrics_mod
+from largebatch.config import Config
+from largebatch.config import save as save_config
+from largebatch.errors import UserError
+from largebatch.schedule import Plan
+
+
+class Classifier(nn.Module):
+    """Normalisation as the model's first step (data stays uint8 until here), then the network."""
+
+    def __init__(self, normalize: nn.Module, net: nn.Module):
+        super().__init__()
+        self.normalize = normalize
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.normalize(x))
+
+
+def build_classifier(cfg: Config, info) -> Classifier:
+    from largebatch.models import Normalize, build_model
+
+    stem = cfg.model.stem
+    if stem == "auto":
+        stem = "small" if info.image_size <= 64 else "imagenet"
+    net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
+                      zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
+    return Classifier(Normalize(info.mean, info.std), net)
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def use_channels_last(choice: str, device: torch.device, precision: str) -> bool:
+    if choice == "auto":
+        return device.type == "cuda" or precision == "bf16"
+    return choice == "on"
+
+
+class StopRequested(Exception):
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False):
+        from largebatch.data import build_data
+        from largebatch.optim import build_optimizer
+
+        self.cfg = cfg
+        t = cfg.train
+        # 1. device, process group, threads
+        self.device = dist_mod.pick_device(t.device)
+        if t.precision == "fp16" and self.device.type != "cuda":
+            raise UserError("train.precision fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU.")
+        self.info = dist_mod.init(self.device, cfg.comm.timeout_s)
+        self.threads = dist_mod.set_threads(t.threads, self.info.local_world_size)
+        self.main = self.info.is_main
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+
+        # 2. run directory (rank 0 decides, everyone agrees)
+        self.run_dir = self._agree_run_dir(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+
+        # 3. data
+        self.train_data, self.test_data, self.data_info = build_data(cfg.data, t.seed)
+
+        # 4. the step plan: phases, accumulation, lr per step
+        self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
+                         train_size=len(self.train_data))
+        self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
+
+        # 5. model
+        torch.manual_seed(t.seed)   # identical initial weights on every rank and every world size
+        self.channels_last = use_channels_last(t.channels_last, self.device, t.precision)
+        model = build_classifier(cfg, self.data_info).to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.ema = None
+        if t.ema:
+            self.ema = torch.optim.swa_utils.AveragedModel(
+                model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(t.ema), use_buffers=True)
+
+        # 6. data parallelism and the communication hook
+        self.ddp = model
+        if self.info.distributed:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device] if self.device.type == "cuda" else None,
+                bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True,
+                broadcast_buffers=False)   # BN statistics per worker (Goyal); averaged before eval/checkpoints
+            if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
+                from largebatch.comm import register
+
+                options = {"compression": cfg.comm.compression}
+                if cfg.comm.grid:
+                    options["grid"] = cfg.comm.grid
+                register(self.ddp, cfg.comm.algorithm, **options)
+        self.forward = torch.compile(self.ddp) if t.compile else self.ddp
+
+        # 7. optimizer (lr set per step from the plan)
+        self.optimizer = build_optimizer(cfg.optim, model, lr=self.plan.lr(0))
+        self.criterion_smoothing = t.label_smoothing
+
+        # 8. precision
+        self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
+
+        # 9. state that checkpoints carry
+        self.step = 0
+        self.best_top1 = 0.0
+        self.nonfinite_total = 0
+        self.nonfinite_run = 0
+        self.wall_before = 0.0          # training wall time of earlier sessions (resume)
+        self.images_seen = 0
+        self.train_time = 0.0
+        self.stop_signal: int | None = None
+        if resume:
+            self._restore()
+
+        self.metrics = metrics_mod.MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
+        self.display = metrics_mod.ProgressDisplay(self.total_steps, self.step, enabled=self.main and not quiet)
+        self.quiet = quiet
+        if self.main and not resume:
+            save_config(cfg, self.run_dir / "config.yaml")
+
+    # ------------------------------------------------------------------ run directory
+    def _agree_run_dir(self, run_dir: Path | None) -> Path:
+        path = [str(run_dir) if run_dir else ""]
+        if self.main:
+            if not run_dir:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                name = Path(self.cfg.recipe).stem
+                path = [str(Path("runs") / f"{name}-{stamp}")]
+            p = Path(path[0])
+            p.mkdir(parents=True, exist_ok=True)
+            os.chmod(p, 0o755)   # never world-writable
+            (p / "checkpoints").mkdir(exist_ok=True)
+        if self.info.distributed:
+            dist.broadcast_object_list(path, src=0)
+        return Path(path[0])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _model_state(self) -> dict:
+        return self.model.state_dict()
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self._model_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else {},
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "progress": {"best_top1": self.best_top1, "nonfinite_total": self.nonfinite_total,
+                         "wall_s": self.wall_before + self._session_wall(), "images_seen": self.images_seen,
+                         "train_time": self.train_time},
+            "config_hash": self.cfg.hash(),
+        }
+
+    def save_checkpoint(self) -> None:
+        self._sync_buffers()   # every rank must hold the same BN statistics when they are written
+        if self.main:
+            epoch = self.plan.epoch_float(self.step)
+            checkpoint.save(self.state_dict(), self.ckpt_dir, self.step, keep=self.cfg.train.keep_checkpoints,
+                            meta={"epoch": epoch, "config_hash": self.cfg.hash()})
+        if self.info.distributed:
+            dist.barrier()
+
+    def _restore(self) -> None:
+        found = checkpoint.latest(self.ckpt_dir, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))
+        if found is None:
+            if self.main:
+                print(f"largebatch: no checkpoint in {self.ckpt_dir}; starting from step 0.", file=sys.stderr)
+            return
+        path, meta = found
+        state = checkpoint.load(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state["ema"]:
+            self.ema.load_state_dict(state["ema"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.step = state["step"]
+        prog = state["progress"]
+        self.best_top1 = prog["best_top1"]
+        self.nonfinite_total = prog["nonfinite_total"]
+        self.wall_before = prog["wall_s"]
+        self.images_seen = prog["images_seen"]
+        self.train_time = prog["train_time"]
+        if state.get("config_hash") != self.cfg.hash() and self.main:
+            print("largebatch: warning: the config differs from the one the checkpoint was written with.",
+                  file=sys.stderr)
+        if self.main:
+            print(f"largebatch: resumed from {path} at step {self.step}.", file=sys.stderr)
+
+    # ------------------------------------------------------------------ helpers
+    def _session_wall(self) -> float:
+        return time.perf_counter() - self._t_start if hasattr(self, "_t_start") else 0.0
+
+    def _sync_buffers(self) -> None:
+        """Average BN running statistics across workers (they are per worker during training)."""
+        if not self.info.distributed:
+            return
+        bufs = [b for b in self.model.buffers() if b.is_floating_point()]
+        if bufs:
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            dist.all_reduce(flat)
+            flat /= self.info.world_size
+            offset = 0
+            for b in bufs:
+                b.copy_(flat[offset: offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor):
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+    def _micro_batches(self, epoch: int, start: int, phase):
+        """This rank's micro-batch indices for the rest of `epoch` from step-in-epoch `start`."""
+        from largebatch.data.sampler import epoch_permutation, rank_batch
+
+        perm = epoch_permutation(len(self.train_data), epoch, self.cfg.train.seed)
+        for s in range(start, phase.steps_per_epoch):
+            idx = rank_batch(perm, s, phase.global_batch, self.info.rank, self.info.world_size)
+            yield from idx.split(phase.micro_batch)
+
+    def _install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            self.stop_signal = signum
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):   # not in the main thread
+                signal.signal(sig, handler)
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (one tiny collective; called on logging steps)."""
+        flag = torch.tensor([1.0 if self.stop_signal else 0.0])
+        if self.info.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ training
+    def _train_step(self, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float) -> torch.Tensor:
+        t = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micros):
+            x, y = self._to_device(x, y)
+            last = i == len(micros) - 1
+            sync = contextlib.nullcontext() if (last or not self.info.distributed) else self.ddp.no_sync()
+            with sync:
+                with autocast(self.device, t.precision):
+                    logits = self.forward(x)
+                loss = F.cross_entropy(logits.float(), y, reduction="sum",
+                                       label_smoothing=self.criterion_smoothing) / phase.per_worker_batch
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        self.scaler.unscale_(self.optimizer)   # LARS and all norms see unscaled fp32 gradients
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # Gradients are already all-reduced, so every rank reaches the same verdict with no extra
+        # communication. One scalar host sync per step.
+        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
+        ok = bool(torch.isfinite(torch.stack(norms).sum() + loss_sum).item())
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)   # skips the step itself on inf/nan
+            self.scaler.update()               # and lowers the loss scale
+        elif ok:
+            self.optimizer.step()
+        if ok:
+            self.nonfinite_run = 0
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+        else:
+            self.nonfinite_total += 1
+            self.nonfinite_run += 1
+            if self.nonfinite_run > t.max_nonfinite:
+                raise UserError(f"training diverged: {self.nonfinite_run} consecutive steps with non-finite loss or "
+                                f"gradients at step {self.step}; lower optim.lr, lengthen schedule.warmup_epochs "
+                                "or use optim.name=lars.")
+        return loss_sum
+
+    def fit(self) -> dict:
+        self._t_start = time.perf_counter()
+        self._install_signal_handlers()
+        t = self.cfg.train
+        epoch_ends = set(self.plan.epoch_end_steps())
+        last_log_t, last_log_images, last_log_step = time.perf_counter(), self.images_seen, self.step
+        loss_acc = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        stopped = False
+        try:
+            while self.step < self.total_steps:
+                phase = self.plan.phase_at(self.step)
+                epoch, in_epoch = self.plan.position(self.step)
+                steps_left_in_epoch = phase.steps_per_epoch - in_epoch
+                batches = self.train_data.batches(self._micro_batches(epoch, in_epoch, phase), train=True, epoch=epoch)
+                batches = iter(batches)
+                self.model.train()
+                for _ in range(steps_left_in_epoch):
+                    if self.step >= self.total_steps or self.step >= phase.start_step + phase.steps:
+                        break
+                    t0 = time.perf_counter()
+                    micros = [next(batches) for _ in range(phase.accumulation)]
+                    t1 = time.perf_counter()
+                    data_wait += t1 - t0
+                    lr = self.plan.lr(self.step)
+                    loss_acc += self._train_step(micros, phase, lr)
+                    self.train_time += time.perf_counter() - t0
+                    self.images_seen += phase.global_batch
+                    self.step += 1
+                    at_epoch_end = self.step in epoch_ends or self.step == self.total_steps
+                    if self.step % t.log_every == 0 or at_epoch_end:
+                        # Logging step: the only host syncs besides the per-step finiteness flag.
+                        n = self.step - last_log_step
+                        loss = loss_acc / max(n, 1)
+                        if self.info.distributed:
+                            dist.all_reduce(loss)
+                            loss /= self.info.world_size
+                        now = time.perf_counter()
+                        rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step - 1) + 1 / phase.steps_per_epoch, 4),
+                               "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
+                               "images_per_s": (self.images_seen - last_log_images) / max(now - last_log_t, 1e-9),
+                               "data_wait_s": data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
+                               "time": self.wall_before + self._session_wall()}
+                        self.metrics.write(rec)
+                        self.display.update(rec)
+                        loss_acc.zero_()
+                        data_wait = 0.0
+                        last_log_t, last_log_images, last_log_step = now, self.images_seen, self.step
+                        if self._stop_agreed():
+                            stopped = True
+                            break
+                    if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0 \
+                            and not at_epoch_end:
+                        self.save_checkpoint()
+                if stopped:
+                    break
+                epoch_done = self.step in epoch_ends or self.step == self.total_steps
+                if epoch_done:
+                    completed_epoch = self.plan.position(self.step - 1)[0] + 1
+                    if (t.eval_every and completed_epoch % t.eval_every == 0) or self.step == self.total_steps:
+                        self._log_eval()
+                    self.save_checkpoint()
+        finally:
+            self.display.close()
+        if stopped:
+            self.save_checkpoint()
+            if self.main:
+                print(f"largebatch: stopped by signal at step {self.step}; checkpoint written. Resume with: "
+                      f"largebatch train {self.cfg.recipe} --run-dir {self.run_dir} --resume", file=sys.stderr)
+            self.metrics.close()
+            return {"stopped": True, "step": self.step}
+        return self._finish()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_model(self) -> nn.Module:
+        return self.ema.module if self.ema is not None else self.model
+
+    def _log_eval(self) -> dict:
+        result = evaluate(self._eval_model(), self.test_data, self.info, self.device,
+                          precision=self.cfg.train.precision, channels_last=self.channels_last,
+                          flip=self.cfg.train.eval_flip, batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch),
+                          sync_buffers=self._sync_buffers)
+        self.best_top1 = max(self.best_top1, result["top1"])
+        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step - 1) + 1e-9, 4)
+               if self.step else 0.0, **result, "time": self.wall_before + self._session_wall()}
+        self.metrics.write(rec)
+        if self.main and not self.quiet:
+            self.display.message(f"eval step {self.step}: top-1 {result['top1']:.4f}  top-5 {result['top5']:.4f}  "
+                                 f"loss {result['loss']:.4f}")
+        self.last_eval = result
+        return result
+
+    def _finish(self) -> dict:
+        if not hasattr(self, "last_eval"):
+            self._log_eval()
+        wall = self.wall_before + self._session_wall()
+        corrupt = list(getattr(self.train_data, "corrupt", [])) + list(getattr(self.test_data, "corrupt", []))
+        summary = {
+            "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
+            "final_top1": self.last_eval["top1"], "final_top5": self.last_eval["top5"],
+            "final_loss": self.last_eval["loss"], "best_top1": max(self.best_top1, self.last_eval["top1"]),
+            "epochs": round(self.plan.epoch_float(self.step - 1) + 1 / self.plan.phase_at(self.step - 1).steps_per_epoch, 4),
+            "steps": self.step, "wall_s": wall,
+            "train_images_per_s": self.images_seen / max(self.train_time, 1e-9),
+            "world_size": self.info.world_size, "global_batch": self.plan.phase_at(self.step - 1).global_batch,
+            "nonfinite_steps": self.nonfinite_total, "corrupt_images": len(corrupt),
+            "precision": self.cfg.train.precision, "threads_per_worker": self.threads,
+        }
+        if self.main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if corrupt:
+                (self.run_dir / "corrupt_images.txt").write_text("\n".join(sorted(set(corrupt))) + "\n")
+            if self.cfg.train.plots:
+                metrics_mod.plot(metrics_mod.read(self.run_dir / "metrics.jsonl"), self.run_dir / "plots")
+            if self.cfg.train.tensorboard:
+                write_tensorboard(self.run_dir)
+        self.metrics.close()
+        return summary
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.device, *, precision: str = "fp32",
+             channels_last: bool = False, flip: bool = False, batch: int = 512, sync_buffers=None,
+             return_probs: bool = False) -> dict:
+    """Distributed evaluation: every test image counted exactly once (contiguous shards, no padding)."""
+    from largebatch.data.sampler import eval_shard
+
+    if sync_buffers is not None:
+        sync_buffers()
+    model.eval()
+    idx = eval_shard(len(source), info.rank, info.world_size)
+    sums = torch.zeros(4, dtype=torch.float64)   # top-1 correct, top-5 correct, loss sum, count
+    probs = []
+    for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
+        x = x.to(device, non_blocking=True)
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = y.to(device)
+        with autocast(device, precision):
+            logits = model(x).float()
+            if flip:
+                logits = (logits + model(x.flip(3)).float()) / 2
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hit = top5 == y[:, None]
+        sums += torch.tensor([hit[:, 0].sum().item(), hit.any(1).sum().item(),
+                              F.cross_entropy(logits, y, reduction="sum").item(), y.numel()], dtype=torch.float64)
+        if return_probs:
+            probs.append(logits.softmax(1).cpu())
+    if info.distributed:
+        dist.all_reduce(sums)
+    model.train()
+    c1, c5, loss, n = sums.tolist()
+    out = {"top1": c1 / max(n, 1), "top5": c5 / max(n, 1), "loss": loss / max(n, 1), "count": int(n)}
+    if return_probs:
+        out["probs"] = torch.cat(probs) if probs else torch.zeros(0)
+    return out
+
+
+def write_tensorboard(run_dir: Path) -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("largebatch: train.tensorboard needs the tensorboard package: pip install -e .[tensorboard]",
+              file=sys.stderr)
+        return
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    for rec in metrics_mod.read(run_dir / "metrics.jsonl"):
+        for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
+            if key in rec:
+                writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
+    writer.close()
