@@ -1,0 +1,241 @@
+"""`largebatch cluster run`: namespaces are made and always removed, the hosts talk over
+torch.distributed, the inter-node link is shaped while intra-node traffic is not, and
+training runs across two namespaced hosts.
+
+Every run is a real `largebatch cluster run` subprocess (root, iproute2, real
+namespaces, real torchrun agents). The tests skip only when this machine cannot
+create network namespaces.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from largebatch.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS_LINE = re.compile(r"\[cluster\] hosts: .*?switch (lbc-([0-9a-f]{6})-sw)")
+
+
+def _can_make_namespaces() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if os.geteuid() != 0:
+        return "not root: network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    name = f"lbc-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+WHY_NOT = _can_make_namespaces()
+needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f"cluster tests need namespaces: {WHY_NOT}")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "largebatch", "cluster", "run", *args]
+
+
+def _run(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
+
+
+def _run_id(stderr: str) -> str:
+    m = HOSTS_LINE.search(stderr)
+    assert m, f"no '[cluster] hosts:' line in:\n{stderr}"
+    return m.group(2)
+
+
+def _namespaces_of(run_id: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"lbc-{run_id}-")]
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(m.group(1)) for m in re.finditer(r"^\[node \d+\] RESULT (.*)$", stdout, re.M)]
+
+
+# A worker program, run on every rank through `cluster run --exec`.
+CHECK = textwrap.dedent("""
+    import json, os, socket, sys, time
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(("10.213.0.1", 9))  # no packet is sent: this only picks the source address
+    addr = s.getsockname()[0]
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    out = {"rank": rank, "group_rank": int(os.environ["GROUP_RANK"]),
+           "local_rank": int(os.environ["LOCAL_RANK"]), "addr": addr,
+           "sum_ok": bool(torch.all(t == world * (world + 1) / 2))}
+    if sys.argv[1] == "shaping":
+        # rank 0 sends 12.5 MB to a peer and waits for a 1-element reply; the peer is
+        # rank 1 (same host) and then rank local_world (the next host).
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        big, ack = torch.zeros(12_500_000 // 4), torch.zeros(1)
+        for name, peer in (("intra", 1), ("inter", local)):
+            best = float("inf")
+            for _ in range(3):
+                dist.barrier()
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    dist.send(big, peer)
+                    dist.recv(ack, peer)
+                    best = min(best, time.perf_counter() - t0)
+                elif rank == peer:
+                    dist.recv(big, 0)
+                    dist.send(ack, 0)
+            if rank == 0:
+                out[name + "_gbit"] = big.numel() * 4 * 8 / best / 1e9
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture
+def check_script(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster_check.py"
+    path.write_text(CHECK)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and environment (no namespaces needed)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nodes", "0", "--", "bench", "allreduce"], "--nodes"),
+    (["--procs-per-node", "0", "--", "bench", "allreduce"], "--procs-per-node"),
+    (["--inter-node-gbit", "0", "--", "bench", "allreduce"], "--inter-node-gbit"),
+    (["--inter-node-latency-ms", "-1", "--", "bench", "allreduce"], "--inter-node-latency-ms"),
+    (["--nodes", "2"], "no command"),
+    (["--bogus", "--", "bench"], "unrecognized"),
+])
+def test_bad_arguments_are_user_errors(args: list[str], words: str) -> None:
+    from largebatch.cluster import parse_args
+
+    with pytest.raises(UserError, match=re.escape(words)):
+        parse_args(args)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to drop it")
+def test_without_root_exits_2_with_one_sentence() -> None:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *_cli("--", "bench", "allreduce")],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 2, r.stderr
+    assert "needs root" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) set-up and tear-down
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_failing_command_exits_nonzero_and_leaves_nothing() -> None:
+    r = _run("--nodes", "2", "--exec", "--", "python", "-c", "import sys; sys.exit(3)")
+    assert r.returncode != 0, r.stdout + r.stderr
+    run_id = _run_id(r.stderr)
+    assert _namespaces_of(run_id) == []
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_tears_down_namespaces_and_agents(signum: int) -> None:
+    proc = subprocess.Popen(_cli("--nodes", "2", "--exec", "--", "python", "-c", "import time; time.sleep(120)"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        run_id = None
+        for line in proc.stderr:  # the hosts line comes once the namespaces exist
+            m = HOSTS_LINE.search(line)
+            if m:
+                run_id = m.group(2)
+                break
+        assert run_id, "cluster run ended before it reported its hosts"
+        assert len(_namespaces_of(run_id)) == 3  # switch + 2 hosts
+        time.sleep(2)  # let the agents start their workers
+        pids = subprocess.run(["ip", "netns", "pids", f"lbc-{run_id}-n0"], capture_output=True, text=True).stdout.split()
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=60)
+        assert rc == 128 + signum or (signum == signal.SIGINT and rc == 130), rc
+        assert _namespaces_of(run_id) == []
+        for pid in pids:  # the agents and their workers are gone too
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) all-reduce across two namespaced hosts
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_allreduce_across_two_hosts(check_script: Path) -> None:
+    r = _run("--nodes", "2", "--procs-per-node", "1", "--exec", "--", "python", str(check_script), "check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = _results(r.stdout)
+    assert sorted(x["rank"] for x in results) == [0, 1]
+    assert all(x["sum_ok"] for x in results)
+    assert sorted(x["group_rank"] for x in results) == [0, 1]
+    assert len({x["addr"] for x in results}) == 2  # two hosts, two addresses
+    assert _namespaces_of(_run_id(r.stderr)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) the inter-node link is shaped; intra-node traffic is not
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_inter_node_rate_is_shaped_and_intra_node_is_not(check_script: Path) -> None:
+    gbit = 0.2
+    r = _run("--nodes", "2", "--procs-per-node", "2", "--inter-node-gbit", str(gbit),
+             "--inter-node-latency-ms", "0", "--exec", "--", "python", str(check_script), "shaping")
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = {x["rank"]: x for x in _results(r.stdout)}
+    assert sorted(results) == [0, 1, 2, 3] and all(x["sum_ok"] for x in results.values())
+    assert results[0]["group_rank"] == results[1]["group_rank"] != results[2]["group_rank"]
+    inter, intra = results[0]["inter_gbit"], results[0]["intra_gbit"]
+    print(f"inter-node {inter:.3f} Gbit/s (shaped at {gbit}), intra-node {intra:.3f} Gbit/s")
+    assert 0.25 * gbit < inter < 2 * gbit
+    assert intra > 5 * gbit
+
+
+# ---------------------------------------------------------------------------------------------
+# Two training steps across two namespaced hosts
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_training_steps_across_two_hosts(tmp_path: Path) -> None:
+    r = _run("--nodes", "2", "--procs-per-node", "1", "--", "train", "fashion_mnist",
+             "--set", "train.max_steps=2", "--set", "schedule.epochs=1",
+             "--set", "model.name=resnet18", "--set", "model.width=8",
+             timeout=400, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "[node 0]" in r.stdout and "[node 1]" in r.stdout
+    assert _namespaces_of(_run_id(r.stderr)) == []
