@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
+    """Run `python -m largebatch ARGS` as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "largebatch", *map(str, args)], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"largebatch {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture
+def cli():
+    return run_cli
