@@ -1,0 +1,71 @@
+"""Optimisers of largebatch: momentum SGD (torch's), LARS and LAMB, with parameter groups chosen by shape.
+
+`build_optimizer(cfg.optim, model, lr)` is the one entry point. Parameters with ndim <= 1 (BN gamma and
+beta, every bias, including the BN of shortcut branches) go in a group with no weight decay and
+"lars_exclude": True, so LARS/LAMB give them no layer-wise adaptation (Goyal et al.; You et al.).
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.optim import SGD, Optimizer
+
+from largebatch.config import OptimConfig
+from largebatch.errors import UserError
+from largebatch.optim.lamb import LAMB
+from largebatch.optim.lars import LARS
+
+OPTIMIZERS = ("sgd", "lars", "lamb")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups, by shape (not by name): weights (ndim >= 2) with `weight_decay`, and BN/bias
+    parameters (ndim <= 1) with no weight decay and "lars_exclude": True. Empty groups are left out;
+    parameters that do not require gradients are skipped."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
+    """The optimizer `cfg.name` over `model`'s parameters, starting at `lr` (the schedule sets it later).
+
+    With cfg.no_decay_bn_bias the groups come from `param_groups`; without it, one group where every
+    parameter gets weight decay (and, for LARS/LAMB, the layer-wise adaptation).
+    """
+    if cfg.no_decay_bn_bias:
+        groups = param_groups(model, cfg.weight_decay)
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": cfg.weight_decay}]
+    if not any(g["params"] for g in groups):
+        raise UserError("the model has no trainable parameters; check the model and any frozen layers.")
+    if cfg.name == "sgd":
+        if cfg.nesterov and cfg.momentum == 0:
+            raise UserError("optim.nesterov needs optim.momentum > 0; set a momentum (e.g. 0.9) or nesterov: false.")
+        # torch's SGD keeps v = m v + g and steps w -= lr v: lr sits outside v, so a change of lr applies to
+        # the whole velocity at once, which is exactly Goyal's momentum correction (v <- (lr_new/lr_old) v
+        # in the lr-inside form). Extra group keys ("lars_exclude") are ignored by SGD.
+        return SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+                   foreach=True)
+    if cfg.name == "lars":
+        if cfg.nesterov and cfg.momentum == 0:
+            raise UserError("optim.nesterov needs optim.momentum > 0; set a momentum (e.g. 0.9) or nesterov: false.")
+        if cfg.trust_coefficient <= 0 or cfg.eps < 0:
+            raise UserError(f"LARS needs optim.trust_coefficient > 0 and optim.eps >= 0, got "
+                            f"{cfg.trust_coefficient} and {cfg.eps}; fix them in the recipe.")
+        return LARS(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                    trust_coefficient=cfg.trust_coefficient, eps=cfg.eps, nesterov=cfg.nesterov)
+    if cfg.name == "lamb":
+        # optim.eps is shared with LARS, whose default is 0; LAMB needs eps > 0 and uses 1e-6 then.
+        eps = cfg.eps if cfg.eps > 0 else 1e-6
+        betas = tuple(cfg.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise UserError(f"optim.betas is {cfg.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
+        return LAMB(groups, lr=lr, betas=betas, eps=eps, weight_decay=cfg.weight_decay)
+    raise UserError(f"unknown optimizer {cfg.name!r}; choose one of: {', '.join(OPTIMIZERS)} (optim.name).")
+
+
+__all__ = ["LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer"]

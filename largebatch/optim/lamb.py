@@ -1,0 +1,110 @@
+"""LAMB: layer-wise adaptive moments (You et al., "Large Batch Optimization for Deep Learning:
+Training BERT in 76 minutes", arXiv 1904.00962, Algorithm 2).
+
+For every parameter tensor w ("layer") with gradient g at step t (counted per tensor from 1),
+lr gamma, moment coefficients beta1, beta2, weight decay lambda and epsilon, one step is:
+
+1. m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2.
+2. Bias correction (when bias_correction): m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t);
+   otherwise m_hat = m, v_hat = v.
+3. r = m_hat / (sqrt(v_hat) + eps);  u = r + lambda * w.
+4. Trust ratio phi(||w||) / ||u|| with phi the identity, and 1 when ||w|| or ||u|| is 0
+   (torch.where on device: no host sync).
+5. w = w - gamma * ratio * u.
+
+Parameter groups with "lars_exclude": True (BN parameters and biases) get the Adam update:
+steps 1-3 without weight decay (u = r) and no trust ratio (w = w - gamma * r).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class LAMB(Optimizer):
+    """LAMB (Algorithm 2 of You et al. 2019); see the module docstring."""
+
+    def __init__(self, params: Union[Iterable[Tensor], Iterable[dict]], lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 bias_correction: bool = True) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"LAMB: lr must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"LAMB: betas must be two numbers in [0, 1), got {betas}")
+        if not eps > 0.0:
+            raise ValueError(f"LAMB: eps must be > 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"LAMB: weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, lars_exclude=False)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            params, grads, ms, vs, bc1, bc2 = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LAMB does not support sparse gradients")
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1  # a Python int: the bias corrections need no host sync
+                t = state["step"]
+                params.append(p)
+                grads.append(p.grad)
+                ms.append(state["exp_avg"])
+                vs.append(state["exp_avg_sq"])
+                # 2. Bias corrections as Python floats: 1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t).
+                bc1.append(1.0 / (1.0 - beta1 ** t) if group["bias_correction"] else 1.0)
+                bc2.append(1.0 / math.sqrt(1.0 - beta2 ** t) if group["bias_correction"] else 1.0)
+            if not params:
+                continue
+            buckets = self._group_tensors_by_device_and_dtype([params, grads, ms, vs], with_indices=True)
+            for (ps, gs, ms_, vs_), idx in buckets.values():
+                _lamb_update(ps, gs, ms_, vs_, [bc1[i] for i in idx], [bc2[i] for i in idx], lr=group["lr"],
+                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                             exclude=group["lars_exclude"])
+        return loss
+
+
+def _lamb_update(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], bc1: list[float],
+                 bc2: list[float], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 exclude: bool) -> None:
+    """Steps 1-5 for tensors of one device and dtype; one temporary list (u)."""
+    # 1. Moments.
+    torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+    # 2.-3. u = (m * bc1) / (sqrt(v) * bc2 + eps) + lambda * w, built in place in one new list.
+    u = torch._foreach_sqrt(vs)
+    torch._foreach_mul_(u, bc2)
+    torch._foreach_add_(u, eps)
+    torch._foreach_reciprocal_(u)
+    torch._foreach_mul_(u, ms)
+    torch._foreach_mul_(u, bc1)
+    if exclude:
+        # Adam update: no weight decay, no trust ratio.
+        torch._foreach_add_(ps, u, alpha=-lr)
+        return
+    if weight_decay != 0:
+        torch._foreach_add_(u, ps, alpha=weight_decay)
+    # 4. Trust ratio ||w|| / ||u||, 1 where either norm is 0.
+    w_norm = torch.stack(torch._foreach_norm(ps))
+    u_norm = torch.stack(torch._foreach_norm(u))
+    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+    # 5. w = w - gamma * ratio * u.
+    torch._foreach_addcmul_(ps, u, list((-lr * ratio).unbind(0)))
