@@ -1,0 +1,154 @@
+"""The device and link catalog: package `catalog.yaml` plus the user's measured "this machine".
+
+1. Read `largebatch/perf/catalog.yaml` (datasheet and published figures, each with its source).
+2. Merge the user's catalog file on top (`$LARGEBATCH_CATALOG`, else
+   `~/.cache/largebatch/this_machine.yaml`, written by `largebatch plan --calibrate`), so that a
+   measured "this-machine" device and "loopback" link become known names.
+3. Resolve a device's compute curve for one precision: `eff_max` given directly, derived from a
+   `reference` (measured images/s of a model at a per-device batch, with that model's FLOPs), or
+   carried over from another device (`eff_max_from`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from largebatch.errors import UserError
+
+PACKAGE_CATALOG = Path(__file__).with_name("catalog.yaml")
+
+
+def user_catalog_path() -> Path:
+    """Where `--calibrate` writes and `plan` reads the measured entries."""
+    env = os.environ.get("LARGEBATCH_CATALOG")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "largebatch" / "this_machine.yaml"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link: `alpha_s` per message step, `bandwidth_Bps` per direction (bytes/s)."""
+
+    name: str
+    alpha_s: float
+    bandwidth_Bps: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device at one precision: peak FLOP/s, the compute curve and the reduction cost."""
+
+    name: str
+    key: str
+    precision: str
+    peak_flops: float
+    eff_max: float
+    b_half: float
+    gamma_s_per_byte: float
+    purchase_usd: float | None
+    default_intra: str
+    source: str
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, entries in (extra or {}).items():
+        out.setdefault(section, {}).update(entries or {})
+    return out
+
+
+@lru_cache(maxsize=8)
+def _load(user_path: str) -> dict[str, dict[str, Any]]:
+    with open(PACKAGE_CATALOG) as f:
+        data = yaml.safe_load(f)
+    path = Path(user_path)
+    if path.is_file():  # 2. the measured entries
+        with open(path) as f:
+            data = _merge(data, yaml.safe_load(f) or {})
+    return data
+
+
+def load_catalog() -> dict[str, dict[str, Any]]:
+    """The merged catalog (steps 1-2): {'devices': {...}, 'links': {...}}."""
+    return _load(str(user_catalog_path()))
+
+
+def clear_cache() -> None:
+    """Forget loaded catalogs (after `--calibrate` wrote a new entry)."""
+    _load.cache_clear()
+
+
+def get_link(spec: str) -> tuple[Link, int]:
+    """`name` or `name:multiplicity` (e.g. `ib-edr:2`) -> (Link, multiplicity)."""
+    links = load_catalog()["links"]
+    name, _, mult = spec.partition(":")
+    if name not in links:
+        raise UserError(f"unknown link {name!r}; choose one of: {', '.join(sorted(links))} "
+                        "(add ':N' for N links per node, e.g. ib-edr:2).")
+    try:
+        multiplicity = int(mult) if mult else 1
+    except ValueError:
+        multiplicity = 0
+    if multiplicity < 1:
+        raise UserError(f"link multiplicity in {spec!r} must be a positive integer, e.g. {name}:2.")
+    e = links[name]
+    return Link(name, float(e["alpha_us"]) * 1e-6, float(e["bandwidth_gbs"]) * 1e9, str(e.get("source", ""))), multiplicity
+
+
+def device_names() -> list[str]:
+    return sorted(load_catalog()["devices"])
+
+
+def _eff_max(key: str, precision: str, seen: tuple[str, ...] = ()) -> tuple[float, float, str]:
+    """(eff_max, b_half, source) of `key` at `precision` (step 3)."""
+    from largebatch.perf.flops import model_cost
+
+    devices = load_catalog()["devices"]
+    entry = devices[key]
+    curves = entry.get("efficiency", {})
+    if precision not in curves:
+        raise UserError(f"device {key!r} has no figures for precision {precision!r}; "
+                        f"choose one of: {', '.join(curves)}.")
+    c = curves[precision]
+    b_half = float(c.get("b_half", 0.0))
+    if "eff_max" in c:
+        return float(c["eff_max"]), b_half, str(c.get("source", ""))
+    if "eff_max_from" in c:
+        other = c["eff_max_from"]
+        if other in seen:
+            raise ValueError(f"catalog cycle in eff_max_from: {seen + (other,)}")
+        eff, _, _ = _eff_max(other, precision, seen + (key,))
+        return eff, b_half, str(c.get("source", ""))
+    ref = c["reference"]
+    cost = model_cost(ref["model"], int(ref.get("image_size", 224)), int(ref.get("in_channels", 3)),
+                      int(ref.get("num_classes", 1000)), ref.get("stem", "imagenet"))
+    # t_step(b) = t_img * (b + b_half) = b / images_per_s  ->  t_img, then eff_max = 3F / (peak t_img).
+    b = float(ref["batch"])
+    t_img = b / float(ref["images_per_s"]) / (b + b_half)
+    peak = float(entry["peak_tflops"][precision]) * 1e12
+    return 3.0 * cost.forward_flops / (peak * t_img), b_half, str(c.get("source", ""))
+
+
+def get_device(key: str, precision: str) -> Device:
+    """The device `key` at `precision`, or a UserError listing the known devices."""
+    devices = load_catalog()["devices"]
+    if key not in devices:
+        raise UserError(f"unknown device {key!r}; choose one of: {', '.join(sorted(devices))} "
+                        "('this-machine' appears after 'largebatch plan --calibrate').")
+    entry = devices[key]
+    peaks = entry.get("peak_tflops", {})
+    if precision not in peaks:
+        raise UserError(f"device {key!r} has no peak for precision {precision!r}; choose one of: {', '.join(peaks)}.")
+    eff, b_half, source = _eff_max(key, precision)
+    return Device(name=str(entry.get("name", key)), key=key, precision=precision,
+                  peak_flops=float(peaks[precision]) * 1e12, eff_max=eff, b_half=b_half,
+                  gamma_s_per_byte=3.0 / (float(entry["memory_gbs"]) * 1e9),
+                  purchase_usd=entry.get("purchase_usd"), default_intra=str(entry.get("default_intra", "none")),
+                  source=source)

@@ -1,0 +1,50 @@
+"""Recursive halving / doubling all-reduce (Rabenseifner 2004; Thakur, Rabenseifner, Gropp 2005),
+the inter-server algorithm of Goyal et al.: 2 log2 p steps instead of the ring's 2(p-1).
+
+For p ranks, p' = 2^floor(log2 p) and r = p - p':
+
+1. If p is not a power of two, the first 2r ranks pair up (2i, 2i+1): the even rank sends its
+   whole vector (S bytes) to the odd one, which adds it; the r even ranks then sit out.
+2. Reduce-scatter by recursive halving over the p' remaining ranks: in step k = 0..log2 p' - 1
+   each rank exchanges half of its current part (S / 2^(k+1) bytes) with the rank at distance
+   2^k and reduces the half it keeps.
+3. All-gather by recursive doubling: the same exchanges in reverse order, without reduction.
+4. If p is not a power of two, each odd rank of step 1 sends the result (S bytes) back to its
+   even partner.
+
+Cost for a power of two on one link: 2 log2(p) alpha + 2(p-1)/p S beta + (p-1)/p S gamma.
+Nearest partners first keeps the largest messages inside a node.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from largebatch.perf.topology import Topology
+
+
+def cost(nbytes: float, topo: Topology, ranks: Sequence[int] | None = None) -> float:
+    """Seconds for one halving/doubling all-reduce of `nbytes` over `ranks` (default: all)."""
+    ranks = list(range(topo.devices)) if ranks is None else list(ranks)
+    p = len(ranks)
+    if p < 2:
+        return 0.0
+    p2 = 1 << (p.bit_length() - 1)
+    r = p - p2
+    t = 0.0
+    if r:  # 1. fold the extra ranks in
+        pairs = [(ranks[2 * i], ranks[2 * i + 1]) for i in range(r)]
+        t += topo.step(pairs, nbytes, reduce=True)
+    active = [ranks[2 * i + 1] for i in range(r)] + ranks[2 * r:]
+    steps = p2.bit_length() - 1
+    halving = 0.0
+    doubling = 0.0
+    for k in range(steps):
+        d = 1 << k
+        edges = [(active[i], active[i ^ d]) for i in range(p2)]
+        m = nbytes / (1 << (k + 1))
+        halving += topo.step(edges, m, reduce=True)  # 2.
+        doubling += topo.step(edges, m)              # 3.
+    t += halving + doubling
+    if r:  # 4. send the result back
+        t += topo.step([(ranks[2 * i + 1], ranks[2 * i]) for i in range(r)], nbytes)
+    return t

@@ -1,0 +1,195 @@
+"""The performance model: step time, throughput, scaling efficiency, time-to-train and cost.
+
+1. Compute. Forward FLOPs F per image come from the model definition (`flops.model_cost`).
+   On a device of peak P at precision q with fraction-of-peak eff_max, one image of training
+   costs t_img = 3F / (P eff_max), and a step of b images per device costs
+   t_c(b) = t_img (b + b_half): the efficiency against the per-device batch is
+   eff_max * b / (b + b_half), half of eff_max at b = b_half. Forward is t_c/3, backward 2t_c/3.
+2. Gradient bytes. G = parameters x bytes per element of the precision (fp16/bf16: 2, fp32: 4),
+   cut into buckets of `bucket_mb` (the last one smaller), as DDP and Sony's tensor fusion do.
+3. Communication. Each bucket costs one all-reduce of its size with the chosen algorithm on the
+   two-level topology (`topology.py`; one file per algorithm). comm = sum over buckets.
+4. Overlap. Backward produces gradients at a constant rate, so bucket i is ready at
+   t_bwd * (bytes up to and including i) / G; buckets are all-reduced one at a time in order.
+   The exposed communication is what is left after backward ends:
+   max(0, end of the last all-reduce - t_bwd). Without overlap it is all of comm.
+5. Step time = t_c + exposed; images/s = global batch / step time.
+6. Scaling efficiency against one device: t_c / step (the same per-device batch, no
+   communication); against one node: step time on g devices / step time on p devices.
+7. Time-to-train = epochs x ceil(dataset / global batch) x step time; device-hours = devices x
+   hours; cost = device-hours x price per device-hour, hardware = devices x purchase price.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from largebatch.errors import UserError
+from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
+from largebatch.perf.catalog import Device, get_device, get_link
+from largebatch.perf.flops import model_cost
+from largebatch.perf.topology import Topology
+
+ALGORITHMS = ("ring", "halving_doubling", "torus2d", "hierarchical", "tree")
+BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `predict` returns; `to_json()` is what `largebatch plan --json` prints."""
+
+    model: str
+    device: str
+    precision: str
+    algorithm: str
+    devices: int
+    devices_per_node: int
+    nodes: int
+    global_batch: int
+    per_device_batch: int
+    forward_flops_per_image: float
+    params: int
+    gradient_bytes: int
+    buckets: int
+    compute_time_s: float
+    forward_time_s: float
+    backward_time_s: float
+    comm_time_s: float
+    exposed_comm_s: float
+    step_time_s: float
+    images_per_s: float
+    images_per_s_per_device: float
+    scaling_efficiency: float
+    scaling_efficiency_node: float
+    mfu: float
+    steps_per_epoch: int
+    epochs: float
+    time_to_train_s: float
+    device_hours: float
+    cost_usd: float | None
+    hardware_usd: float | None
+    torus_grid: list[int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None) -> float:
+    """Seconds for one all-reduce of `nbytes` with `algorithm` on `topo` (step 3)."""
+    if algorithm == "ring":
+        return ring.cost(nbytes, topo)
+    if algorithm == "halving_doubling":
+        return halving_doubling.cost(nbytes, topo)
+    if algorithm == "torus2d":
+        return torus2d.cost(nbytes, topo, torus_x)
+    if algorithm == "hierarchical":
+        return hierarchical.cost(nbytes, topo)
+    if algorithm == "tree":
+        return tree.cost(nbytes, topo)
+    raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
+
+
+def bucket_sizes(gradient_bytes: int, bucket_bytes: int) -> list[int]:
+    """Step 2: full buckets of `bucket_bytes` and one smaller last bucket."""
+    full, rest = divmod(gradient_bytes, bucket_bytes)
+    return [bucket_bytes] * full + ([rest] if rest else [])
+
+
+def overlap(backward_s: float, comm_s: list[float], sizes: list[int], enabled: bool = True) -> float:
+    """Step 4: exposed communication when buckets are all-reduced in order as backward makes them."""
+    if not enabled:
+        return sum(comm_s)
+    total = float(sum(sizes))
+    end = 0.0
+    done = 0
+    for size, t in zip(sizes, comm_s):
+        done += size
+        ready = backward_s * done / total
+        end = max(end, ready) + t
+    return max(0.0, end - backward_s)
+
+
+def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str, sizes: list[int],
+          do_overlap: bool, torus_x: int | None) -> tuple[float, float, float, float]:
+    """(compute, comm, exposed, step) seconds for per-device batch `b` on `topo`."""
+    t_img = 3.0 * fwd_flops / (dev.peak_flops * dev.eff_max)     # 1.
+    t_c = t_img * (b + dev.b_half)
+    cache: dict[int, float] = {}
+    comm = []
+    for s in sizes:                                                # 3.
+        if s not in cache:
+            cache[s] = allreduce_time(algorithm, s, topo, torus_x)
+        comm.append(cache[s])
+    exposed = overlap(2.0 * t_c / 3.0, comm, sizes, do_overlap)     # 4.
+    return t_c, sum(comm), exposed, t_c + exposed                 # 5.
+
+
+def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, devices_per_node: int = 8,
+            intra_node: str | None = None, inter_node: str = "ib-edr:1", algorithm: str = "ring",
+            global_batch: int = 2048, epochs: float = 90.0, dataset_size: int = 1281167,
+            precision: str = "fp16", image_size: int = 224, in_channels: int = 3, num_classes: int = 1000,
+            stem: str = "imagenet", bucket_mb: float = 25.0, overlap_comm: bool = True,
+            torus_x: int | None = None, price_per_device_hour: float | None = None,
+            purchase_price: float | None = None) -> Prediction:
+    """Predict one training plan (steps 1-7); impossible plans raise UserError."""
+    if algorithm not in ALGORITHMS:
+        raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
+    if precision not in BYTES_PER_ELEMENT:
+        raise UserError(f"unknown precision {precision!r}; choose one of: {', '.join(BYTES_PER_ELEMENT)}.")
+    if devices < 1 or devices_per_node < 1:
+        raise UserError(f"devices ({devices}) and devices per node ({devices_per_node}) must be positive integers.")
+    if devices > devices_per_node and devices % devices_per_node:
+        raise UserError(f"{devices} devices do not fill nodes of {devices_per_node}; use a multiple of "
+                        f"{devices_per_node} or change --devices-per-node.")
+    if global_batch < devices:
+        raise UserError(f"global batch {global_batch} is smaller than the {devices} devices; "
+                        "each device needs at least one image per step.")
+    if global_batch % devices:
+        raise UserError(f"global batch {global_batch} does not split evenly over {devices} devices; "
+                        f"use a multiple of {devices}.")
+    if epochs <= 0 or dataset_size < 1:
+        raise UserError(f"epochs ({epochs}) and dataset size ({dataset_size}) must be positive.")
+    if bucket_mb <= 0:
+        raise UserError(f"bucket size {bucket_mb} MB must be positive.")
+    dev = get_device(device, precision)
+    intra, _ = get_link(intra_node or dev.default_intra)
+    inter, mult = get_link(inter_node)
+    g = min(devices_per_node, devices)
+    topo = Topology(devices, g, intra, inter, mult, dev.gamma_s_per_byte)
+    cost = model_cost(model, image_size, in_channels, num_classes, stem)
+    b = global_batch // devices
+
+    grad_bytes = cost.params * BYTES_PER_ELEMENT[precision]         # 2.
+    sizes = bucket_sizes(grad_bytes, max(1, int(bucket_mb * 2**20)))
+    grid = None
+    if algorithm == "torus2d":
+        x, y = torus2d.grid(devices, torus_x, topo if torus_x is None else None, float(sizes[0]))
+        torus_x, grid = x, [x, y]
+    t_c, comm, exposed, step = _step(dev, cost.forward_flops, b, topo, algorithm, sizes, overlap_comm, torus_x)
+    node_topo = Topology(g, g, intra, inter, mult, dev.gamma_s_per_byte)
+    node_x = None
+    if algorithm == "torus2d":
+        node_x = torus2d.grid(g, None, node_topo, float(sizes[0]))[0]
+    node_step = _step(dev, cost.forward_flops, b, node_topo, algorithm, sizes, overlap_comm, node_x)[3]
+
+    steps_per_epoch = math.ceil(dataset_size / global_batch)        # 7.
+    ttt = epochs * steps_per_epoch * step
+    hours = devices * ttt / 3600.0
+    price = purchase_price if purchase_price is not None else dev.purchase_usd
+    notes = []
+    if devices == 1:
+        notes.append("one device: no communication")
+    return Prediction(
+        model=model, device=device, precision=precision, algorithm=algorithm, devices=devices,
+        devices_per_node=g, nodes=topo.nodes, global_batch=global_batch, per_device_batch=b,
+        forward_flops_per_image=cost.forward_flops, params=cost.params, gradient_bytes=grad_bytes,
+        buckets=len(sizes), compute_time_s=t_c, forward_time_s=t_c / 3.0, backward_time_s=2.0 * t_c / 3.0,
+        comm_time_s=comm, exposed_comm_s=exposed, step_time_s=step, images_per_s=global_batch / step,
+        images_per_s_per_device=b / step, scaling_efficiency=t_c / step,        # 6.
+        scaling_efficiency_node=node_step / step,
+        mfu=3.0 * cost.forward_flops * global_batch / step / (devices * dev.peak_flops),
+        steps_per_epoch=steps_per_epoch, epochs=epochs, time_to_train_s=ttt, device_hours=hours,
+        cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
+        hardware_usd=None if price is None else devices * float(price), torus_grid=grid, notes=notes)

@@ -1,0 +1,75 @@
+"""Two-level topology and the cost of one communication step on it (the alpha-beta-gamma model).
+
+Ranks 0..p-1 fill nodes in order: rank r lives on node r // g (g devices per node). Inside a node
+each device has its own intra-node link (alpha_i, per-direction bandwidth B_i). Between nodes a
+node has `multiplicity` inter-node links (alpha_e, B_e each) that all flows leaving it share.
+
+One step: every rank sends `m` bytes along its edge (src -> dst) at the same time; the step ends
+when the slowest edge is done:
+
+1. An edge inside a node costs alpha_i + m / B_i.
+2. Edges that leave a node share its links: with f such edges out of the busiest node, each costs
+   alpha_e + m * f / (multiplicity * B_e).
+3. The step costs the maximum of (1) and (2) over the edges present; a reduction step adds
+   gamma * m, gamma = 3 bytes of memory traffic per reduced byte / the device's memory bandwidth.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from largebatch.perf.catalog import Link
+
+
+@dataclass(frozen=True)
+class Topology:
+    devices: int
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    multiplicity: int = 1
+    gamma_s_per_byte: float = 0.0
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.devices // self.devices_per_node)
+
+    def node(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def step(self, edges: Iterable[tuple[int, int]], nbytes: float, reduce: bool = False) -> float:
+        """Seconds for one step in which each (src, dst) edge carries `nbytes` (steps 1-3)."""
+        intra = False
+        out_flows: Counter[int] = Counter()
+        for src, dst in edges:
+            if self.node(src) == self.node(dst):
+                intra = True
+            else:
+                out_flows[self.node(src)] += 1
+        t = 0.0
+        if intra:  # 1.
+            t = self.intra.alpha_s + nbytes / self.intra.bandwidth_Bps
+        if out_flows:  # 2.
+            f = max(out_flows.values())
+            t = max(t, self.inter.alpha_s + nbytes * f / (self.multiplicity * self.inter.bandwidth_Bps))
+        if reduce and (intra or out_flows):  # 3.
+            t += self.gamma_s_per_byte * nbytes
+        return t
+
+
+def ring_edges(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Directed edges of one ring per group (all groups step together)."""
+    return [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1 for i in range(len(g))]
+
+
+def ring_reduce_scatter(topo: Topology, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+    """Ring reduce-scatter of `nbytes` within each group concurrently: k-1 steps of nbytes/k."""
+    k = max(len(g) for g in groups)
+    return 0.0 if k < 2 else (k - 1) * topo.step(ring_edges(groups), nbytes / k, reduce=True)
+
+
+def ring_all_gather(topo: Topology, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+    """Ring all-gather of a `nbytes` result within each group concurrently: k-1 steps of nbytes/k."""
+    k = max(len(g) for g in groups)
+    return 0.0 if k < 2 else (k - 1) * topo.step(ring_edges(groups), nbytes / k)
