@@ -263,11 +263,19 @@ def agent_env() -> dict[str, str]:
 
 
 def _stream(node: int, pipe, lock: threading.Lock) -> None:
+    """Copy one agent's output with a "[node i]" prefix; keep draining if our stdout closes,
+    so that the agent never blocks on a full pipe."""
+    writable = True
     for line in iter(pipe.readline, b""):
+        if not writable:
+            continue
         text = line.decode("utf-8", "replace").rstrip("\n")
         with lock:
-            sys.stdout.write(f"[node {node}] {text}\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(f"[node {node}] {text}\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):  # e.g. `cluster run ... | head`
+                writable = False
     pipe.close()
 
 
