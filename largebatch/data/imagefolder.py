@@ -1,0 +1,165 @@
+"""ImageNet-style JPEG trees (root/train/<class>/*.jpg, root/val/<class>/*.jpg).
+
+1. Scan: class names are the sorted sub-directories of ``train/``; ``val/`` must use
+   the same names. File lists are sorted, so image ``i`` is the same file on every
+   rank and in every run; paths are kept in a numpy string array (no per-object
+   reference counts for forked workers to copy).
+2. Load: a torch ``DataLoader`` whose items are whole index batches
+   (``batch_size=None``): each loader worker decodes one batch into one uint8 buffer
+   with ``jpeg.decode_crop`` (DCT-scaled decode, random-resized-crop or centre crop,
+   flip). Workers are persistent; batches come back in order; memory is pinned when
+   CUDA is available. The item carries ``(epoch, train, indices)``, so persistent
+   workers need no state from the main process.
+3. Corrupt files: a worker never raises on a bad file; it drops the image (the batch
+   gets smaller) and returns the path. The main process appends it to
+   ``source.corrupt`` and, with ``on_corrupt=fail``, raises a UserError naming it.
+4. Batches are ``(x, y)`` with ``x`` logically N x 3 x S x S uint8 and stored
+   channels-last (NHWC), which is what a channels-last model wants and saves a
+   transpose per image.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from largebatch.data import jpeg
+from largebatch.errors import UserError
+
+EXTENSIONS = (".jpg", ".jpeg", ".jpe")
+
+
+def scan(root: Path, split: str, classes: list[str] | None = None) -> tuple[list[str], np.ndarray, torch.Tensor]:
+    """Step 1: (classes, paths, labels) of root/split."""
+    base = root / split
+    if not base.is_dir():
+        raise UserError(f"ImageFolder split {base} is missing; data.root must contain train/ and val/ "
+                        f"with one sub-directory of JPEGs per class.")
+    found = sorted(e.name for e in os.scandir(base) if e.is_dir())
+    if classes is None:
+        classes = found
+    else:
+        extra = sorted(set(found) - set(classes))
+        if extra:
+            raise UserError(f"{base} has classes {extra[:5]} that train/ does not have; "
+                            f"use the same class folders in train/ and val/.")
+    paths: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        folder = base / name
+        if not folder.is_dir():
+            continue
+        files = sorted(e.path for e in os.scandir(folder)
+                       if e.is_file() and e.name.lower().endswith(EXTENSIONS))
+        paths += files
+        labels += [label] * len(files)
+    if not paths:
+        raise UserError(f"ImageFolder split {base} has no JPEG files (*.jpg, *.jpeg) in its class folders; "
+                        f"put images in {base}/<class>/.")
+    return classes, np.array(paths), torch.tensor(labels, dtype=torch.int64)
+
+
+class BatchDecoder(Dataset):
+    """Step 2: item (epoch, train, indices) -> (x NHWC uint8, y, kept indices, corrupt paths)."""
+
+    def __init__(self, paths: np.ndarray, labels: torch.Tensor, size: int, min_scale: float, seed: int) -> None:
+        self.paths = paths
+        self.labels = labels
+        self.size = size
+        self.min_scale = min_scale
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, item: tuple[int, bool, torch.Tensor]):
+        epoch, train, indices = item
+        out = torch.empty((len(indices), self.size, self.size, 3), dtype=torch.uint8)
+        kept: list[int] = []
+        corrupt: list[str] = []
+        for i in indices.tolist():
+            path = str(self.paths[i])
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                jpeg.decode_crop(data, self.size, train=train, min_scale=self.min_scale, seed=self.seed,
+                                 epoch=epoch, index=i, out=out[len(kept)])
+            except (jpeg.CorruptImage, OSError):  # step 3: skip, report, keep the worker alive
+                corrupt.append(path)
+                continue
+            kept.append(i)
+        kept_t = torch.tensor(kept, dtype=torch.int64)
+        x = out[:len(kept)].permute(0, 3, 1, 2)  # step 4: NCHW view of NHWC memory
+        return x, self.labels[kept_t], corrupt
+
+
+class _Feed:
+    """The loader's sampler: yields whatever items the current `batches` call set."""
+
+    def __init__(self) -> None:
+        self.items: Iterable = ()
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+class ImageFolderSource:
+    def __init__(self, paths: np.ndarray, labels: torch.Tensor, *, size: int, min_scale: float, seed: int,
+                 augment: bool, workers: int, on_corrupt: str) -> None:
+        self.decoder = BatchDecoder(paths, labels, size, min_scale, seed)
+        self.labels = labels
+        self.augment = augment
+        self.workers = workers
+        self.on_corrupt = on_corrupt
+        self.corrupt: list[str] = []
+        self._feed = _Feed()
+        self._loader: DataLoader | None = None
+
+    def __len__(self) -> int:
+        return len(self.decoder)
+
+    def _get_loader(self) -> DataLoader:
+        if self._loader is None:
+            kwargs = {}
+            if self.workers > 0:
+                kwargs = dict(persistent_workers=True, prefetch_factor=4)
+            self._loader = DataLoader(self.decoder, batch_size=None, sampler=self._feed, num_workers=self.workers,
+                                      pin_memory=torch.cuda.is_available(), **kwargs)
+        return self._loader
+
+    def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        augment = bool(train and self.augment)
+        self._feed.items = ((epoch, augment, torch.as_tensor(b, dtype=torch.int64)) for b in index_batches)
+        for x, y, corrupt in self._get_loader():
+            if corrupt:
+                self.corrupt += corrupt
+                if self.on_corrupt == "fail":
+                    raise UserError(f"corrupt or truncated image {corrupt[0]}; replace or delete it, "
+                                    f"or set data.on_corrupt=skip to skip such files.")
+            yield x, y
+
+    def close(self) -> None:
+        """Stop the persistent loader workers."""
+        self._loader = None
+
+
+def build_imagefolder(cfg, seed: int):
+    from largebatch.data import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
+
+    root = Path(cfg.root)
+    if not root.is_dir():
+        raise UserError(f"ImageFolder root {root} does not exist; set data.root to a directory with train/ and val/.")
+    classes, train_paths, train_labels = scan(root, "train")
+    _, val_paths, val_labels = scan(root, "val", classes)
+    common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
+                  on_corrupt=cfg.on_corrupt)
+    train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, **common)
+    test = ImageFolderSource(val_paths, val_labels, augment=False, **common)
+    info = DatasetInfo(len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),
+                       f"imagefolder:{root.name}")
+    return train, test, info
