@@ -1,0 +1,151 @@
+"""All-reduce algorithms over torch.distributed point-to-point, and DDP comm hooks.
+
+``allreduce(tensor, algorithm="ring", group=None, **options)`` sums ``tensor`` in
+place across ``group`` and returns it. Algorithms, one file each:
+
+=================  ==========================================================
+native             the backend's own all_reduce (gloo / NCCL): the baseline
+ring               ring reduce-scatter + all-gather (bandwidth-optimal)
+halving_doubling   recursive halving + doubling, any world size (fold/unfold)
+torus2d            rows reduce-scatter, columns all-reduce, rows all-gather
+hierarchical       node reduce-scatter, cross-node all-reduce, node all-gather
+=================  ==========================================================
+
+Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
+`largebatch.comm.compression`), ``grid="XxY"`` (torus2d), ``local_size=K`` and
+``inter=halving_doubling|ring|native`` (hierarchical). ``None`` values are
+ignored, so a config section can pass all its fields; a set option that the
+algorithm does not read is a UserError.
+
+``register(ddp_model, algorithm, **options)`` installs the chosen algorithm as
+DDP's comm hook (`largebatch.comm.hook`); ``algorithm="noop"`` communicates
+nothing, to measure the compute-only ceiling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
+from largebatch.comm.compression import WIRE_DTYPES, get_codec
+from largebatch.comm.groups import members
+from largebatch.errors import UserError
+
+ALGORITHMS: dict[str, Callable[..., None]] = {
+    "native": native.allreduce,
+    "ring": ring.allreduce,
+    "halving_doubling": halving_doubling.allreduce,
+    "torus2d": torus2d.allreduce,
+    "hierarchical": hierarchical.allreduce,
+}
+# Algorithm-specific options (beyond `compression`) and their defaults.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "native": {}, "ring": {}, "halving_doubling": {},
+    "torus2d": {"grid": None},
+    "hierarchical": {"local_size": None, "inter": "halving_doubling"},
+}
+HOOK_ONLY = ("noop",)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated algorithm choice: name, wire format and algorithm options."""
+
+    algorithm: str
+    compression: str = "none"
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -> Spec:
+    """Validate ``algorithm`` and ``options`` into a `Spec`; mistakes are UserErrors."""
+    names = list(ALGORITHMS) + (list(HOOK_ONLY) if allow_noop else [])
+    if algorithm not in names:
+        raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose one of: {', '.join(names)}.")
+    options = {k: v for k, v in options.items() if v is not None}
+    compression = options.pop("compression", "none")
+    if compression not in WIRE_DTYPES:
+        raise UserError(f"unknown compression {compression!r}; choose one of: {', '.join(WIRE_DTYPES)}.")
+    valid = OPTIONS.get(algorithm, {})
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise UserError(f"option(s) {', '.join(unknown)} do not apply to algorithm {algorithm}; "
+                        f"its options: {', '.join(['compression', *valid])}.")
+    merged = {**valid, **options}
+    if "inter" in merged and merged["inter"] not in hierarchical.INTER:
+        raise UserError(f"hierarchical inter={merged['inter']!r} is unknown; "
+                        f"choose one of: {', '.join(hierarchical.INTER)}.")
+    if "grid" in merged and merged["grid"] is not None:
+        from largebatch.comm.topology import parse_grid
+
+        parse_grid(merged["grid"])
+    return Spec(algorithm, compression, tuple(sorted(merged.items())))
+
+
+def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = None,
+        average: bool = False) -> torch.Tensor:
+    """Sum (or, with ``average``, average) ``tensor`` in place over ``group`` with ``spec``.
+
+    Lossy compression pre-scales by 1/p before the first cast and, for a sum,
+    multiplies by p after the last, so fp16 cannot overflow (see
+    `largebatch.comm.compression`).
+    """
+    codec = get_codec(spec.compression, tensor.dtype)
+    if average and not tensor.dtype.is_floating_point:
+        raise UserError(f"averaging needs a floating-point tensor, not {tensor.dtype}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor                                   # world size 1: the sum is the tensor
+    ranks = members(group)
+    me = dist.get_rank()
+    if me not in ranks:
+        return tensor
+    p, i = len(ranks), ranks.index(me)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.view(-1)
+    if p > 1 and flat.numel():
+        if codec.lossy:
+            flat.div_(p)                                # pre-scale: no fp16 overflow on the wire
+        ALGORITHMS[spec.algorithm](flat, ranks, i, group, codec, **dict(spec.options))
+        if codec.lossy and not average:
+            flat.mul_(p)
+        elif not codec.lossy and average:
+            flat.div_(p)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group: Optional[dist.ProcessGroup] = None,
+              **options: Any) -> torch.Tensor:
+    """Sum ``tensor`` in place across ``group`` with ``algorithm``; returns ``tensor``.
+
+    Collective: every rank of ``group`` calls it with the same algorithm, options
+    and tensor length. The first torus2d/hierarchical call creates the sub-groups
+    (every rank of the world must take part in that call).
+    """
+    return run(tensor, resolve(algorithm, options), group)
+
+
+def setup(algorithm: str, group: Optional[dist.ProcessGroup] = None, **options: Any) -> None:
+    """Create the sub-groups ``algorithm`` needs now, collectively (optional; first use does it too)."""
+    spec = resolve(algorithm, options, allow_noop=True)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    opts = dict(spec.options)
+    world = len(members(group))
+    if spec.algorithm == "torus2d":
+        torus2d.setup(group, world, opts["grid"])
+    elif spec.algorithm == "hierarchical":
+        hierarchical.setup(group, world, opts["local_size"])
+
+
+def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any):
+    """Install ``algorithm`` as ``ddp_model``'s comm hook; returns the `CommHookState`."""
+    from largebatch.comm.hook import register as _register
+
+    return _register(ddp_model, algorithm, **options)
+
+
+__all__ = ["ALGORITHMS", "OPTIONS", "Spec", "allreduce", "register", "resolve", "run", "setup"]

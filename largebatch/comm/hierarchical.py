@@ -1,0 +1,54 @@
+"""Hierarchical all-reduce: inside nodes, then across nodes, then inside nodes again.
+
+The structure of Goyal et al. (2017, section 4: intra-server reduce, inter-server
+recursive halving/doubling, intra-server broadcast) and of Horovod's hierarchical
+all-reduce, with the intra-node reduce and broadcast replaced by the
+bandwidth-optimal reduce-scatter and all-gather. ``K`` processes per node
+(``local_size`` option, else torchrun's LOCAL_WORLD_SIZE); node ``m`` holds group
+ranks ``mK .. mK+K-1``.
+
+1. Reduce-scatter inside each node (ring over the node's ``K`` ranks): local rank
+   ``j`` holds the node-sum of chunk ``(j + 1) mod K``.
+2. All-reduce that chunk across nodes among the processes of the same local rank
+   (``inter`` option: ``halving_doubling`` by default, as in Goyal et al.;
+   ``ring``; or ``native``, the backend's collective on the cross-node sub-group).
+   The ``K`` cross-node all-reduces run in parallel, one per local rank, each
+   carrying 1/K of the tensor.
+3. All-gather inside each node (ring).
+
+Differs from `torus2d` (same data movement with a ring across nodes) by the
+cross-node algorithm: with halving/doubling its latency term is
+``2 log2(nodes)`` instead of ``2(nodes - 1)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import halving_doubling, native, ring
+from largebatch.comm.compression import Codec
+from largebatch.comm.groups import partition_group
+from largebatch.comm.topology import cross_blocks, node_blocks, resolve_local_size
+from largebatch.errors import UserError
+
+INTER = {"halving_doubling": halving_doubling.allreduce, "ring": ring.allreduce, "native": native.allreduce}
+
+
+def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[int]) -> tuple:
+    """Create (once) and return ``(node, cross)`` as ``(subgroup, global_ranks, index)`` triples."""
+    k = resolve_local_size(local_size, world)
+    return partition_group(group, node_blocks(k, world)), partition_group(group, cross_blocks(k, world))
+
+
+def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
+              codec: Codec, local_size: Optional[int] = None, inter: str = "halving_doubling") -> None:
+    """Sum ``flat`` in place over ``group`` with ``local_size`` ranks per node (steps 1-3)."""
+    if inter not in INTER:
+        raise UserError(f"hierarchical inter={inter!r} is unknown; choose one of: {', '.join(INTER)}.")
+    (ng, nranks, ni), (xg, xranks, xi) = setup(group, len(ranks), local_size)
+    off = ring.reduce_scatter(flat, nranks, ni, ng, codec)                  # 1. inside the node
+    own = ring.owned_chunk(ni, len(nranks))
+    INTER[inter](flat[off[own]:off[own + 1]], xranks, xi, xg, codec)       # 2. across nodes
+    ring.all_gather(flat, off, nranks, ni, ng, codec)                       # 3. inside the node

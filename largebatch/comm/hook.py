@@ -1,0 +1,165 @@
+"""DDP communication hook running a `largebatch.comm` algorithm on each gradient bucket.
+
+DDP's buckets *are* the tensor fusion of Mikami et al. and Horovod: gradients
+are packed into flat buckets of ``bucket_cap_mb`` (the trainer's
+``comm.bucket_mb``) and each full bucket is handed to the hook during backward.
+
+The hook must not serialise communication behind the backward pass. The
+point-to-point algorithms are written with blocking ``wait()``s, so the hook runs
+them on **one dedicated communication thread per process** and returns at once
+with a ``torch.futures.Future`` that the thread completes. Why a thread:
+
+1. The autograd thread hands the bucket to the thread (a FIFO queue) and
+   continues with backward, so communication of bucket ``b`` overlaps the
+   computation of the gradients of bucket ``b + 1``, as DDP's own all-reduce does.
+2. One worker and a FIFO queue: DDP hands buckets to the hook in bucket order on
+   every rank, so every rank issues the bucket collectives in the same order,
+   which point-to-point matching and NCCL both require.
+3. The hook's traffic runs on its own process group (a copy of DDP's group made
+   in `register`), so no message or collective sequence number can interleave with
+   collectives that the main thread issues meanwhile on the default group.
+4. On CPU (gloo) waits release the GIL and the reduction ``add_`` runs in ATen,
+   so the thread costs little. On CUDA the thread issues work on its own CUDA
+   stream, made to wait for the bucket's producer with an event; the future is
+   created with the device so DDP's consumer stream waits for the result. (CUDA
+   streams alone would not do: the algorithms' Python control flow would still
+   run on the autograd thread.)
+5. The thread divides the summed bucket by the world size (DDP averages); lossy
+   compression pre-divides instead (no fp16 overflow) and skips the multiply.
+
+The state (`CommHookState`) holds only validated, picklable fields; its process
+group, sub-groups and thread are runtime resources that ``__getstate__`` drops,
+so the state can be checkpointed and re-installed with `register`.
+"""
+import queue
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import Spec, resolve, run, setup
+from largebatch.comm.groups import members
+
+
+class CommHookState:
+    """Validated hook configuration plus (unpicklable) runtime resources.
+
+    Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``),
+    ``compression``, ``grid``, ``local_size``, ``inter``, ``timeout_s``.
+    """
+
+    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "timeout_s")
+
+    def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
+                 local_size: Optional[int] = None, inter: Optional[str] = None,
+                 timeout_s: Optional[float] = None) -> None:
+        self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid,
+                                              "local_size": local_size, "inter": inter}, allow_noop=True)
+        self.algorithm, self.compression = algorithm, compression
+        self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self.process_group: Optional[dist.ProcessGroup] = None
+        self._queue: Optional[queue.Queue] = None
+        self._thread: Optional[threading.Thread] = None
+        self._streams: dict = {}
+
+    # -- checkpointing: fields only, never the groups or the thread ------------------
+    def __getstate__(self) -> dict:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def __setstate__(self, fields: dict) -> None:
+        self.__init__(**fields)
+
+    def __repr__(self) -> str:
+        return "CommHookState(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
+
+    # -- runtime --------------------------------------------------------------------
+    def start(self, ddp_group: Optional[dist.ProcessGroup]) -> None:
+        """Collectively create the hook's own group and sub-groups, then start the thread.
+
+        Every rank of the world calls this (from `register`), in the same order.
+        """
+        if self.algorithm == "noop" or not (dist.is_available() and dist.is_initialized()):
+            return
+        kwargs = {}
+        if self.timeout_s is not None:
+            import datetime
+
+            kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
+        self.process_group = dist.new_group(ranks=members(ddp_group), **kwargs)
+        setup(self.algorithm, self.process_group, **dict(self.spec.options), compression=self.compression)
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="largebatch-comm", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the communication thread (after the queued buckets are done)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue, self._thread = None, None
+
+    def submit(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Queue an in-place average of ``buffer``; the future completes with ``buffer``."""
+        if buffer.is_cuda:
+            fut = torch.futures.Future(devices=[buffer.device])
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buffer.device))   # the bucket's producer
+        else:
+            fut, ready = torch.futures.Future(), None
+        self._queue.put((buffer, ready, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            buffer, ready, fut = item
+            try:
+                if ready is None:
+                    run(buffer, self.spec, self.process_group, average=True)
+                    fut.set_result(buffer)
+                else:
+                    dev = buffer.device
+                    stream = self._streams.setdefault(dev, torch.cuda.Stream(dev))
+                    with torch.cuda.device(dev), torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        run(buffer, self.spec, self.process_group, average=True)
+                        fut.set_result(buffer)                         # records an event on `stream`
+            except BaseException as err:  # noqa: BLE001 - handed to DDP, which re-raises it
+                fut.set_exception(err)
+
+
+def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: average ``bucket`` across ranks with ``state``'s algorithm, asynchronously."""
+    buffer = bucket.buffer()
+    if state.algorithm == "noop":                  # no communication: local gradients as they are
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    if state.process_group is None:                # world size 1: the average is the bucket
+        fut = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    return state.submit(buffer)
+
+
+def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any) -> CommHookState:
+    """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state.
+
+    Collective: call on every rank, in the same order as other group creations.
+    ``options``: compression, grid, local_size, inter, timeout_s (``None`` = default);
+    or ``state=`` an existing (e.g. unpickled) `CommHookState`.
+    """
+    state = options.pop("state", None)
+    if state is None:
+        state = CommHookState(algorithm, **options)
+    elif options:
+        raise TypeError("give either state= or options, not both")
+    state.start(getattr(ddp_model, "process_group", None))
+    ddp_model.register_comm_hook(state, comm_hook)
+    return state

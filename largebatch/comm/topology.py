@@ -1,0 +1,73 @@
+"""Where ranks sit: torus grids and node membership, validated into clear errors.
+
+A torus grid ``"XxY"`` puts group rank ``k`` at row ``k // X`` and column
+``k % X``: ``X`` processes along a row (by default the processes of one node, so
+rows are intra-node), ``Y`` rows (by default the nodes). Node membership for
+`hierarchical` is ``local_size`` consecutive group ranks per node, the torchrun
+layout (``LOCAL_WORLD_SIZE`` processes on node ``GROUP_RANK``).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from largebatch.errors import UserError
+
+
+def local_world_size(world: int) -> int:
+    """Processes per node from torchrun's LOCAL_WORLD_SIZE (the whole world when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def parse_grid(grid: str) -> tuple[int, int]:
+    """``"XxY"`` -> ``(X, Y)``; anything else is a UserError."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(grid))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise UserError(f"torus2d grid {grid!r} is not of the form XxY with positive X and Y "
+                        f"(e.g. grid='2x2'); set comm.grid accordingly.")
+    return int(m.group(1)), int(m.group(2))
+
+
+def resolve_grid(grid: Optional[str], world: int) -> tuple[int, int]:
+    """The (X, Y) grid for ``world`` ranks: the option, or processes per node x nodes."""
+    if grid is None:
+        x = local_world_size(world)
+        if x < 1 or world % x:
+            raise UserError(f"cannot derive a torus2d grid: {world} ranks do not split into nodes of "
+                            f"LOCAL_WORLD_SIZE={x}; give comm.grid='XxY' with X*Y = {world}.")
+        return x, world // x
+    x, y = parse_grid(grid)
+    if x * y != world:
+        raise UserError(f"torus2d grid {grid} has {x * y} positions but the group has {world} ranks; "
+                        f"choose X and Y with X*Y = {world} (e.g. {world}x1).")
+    return x, y
+
+
+def grid_rows(x: int, y: int) -> list[list[int]]:
+    """Group ranks of each row (length X)."""
+    return [[row * x + c for c in range(x)] for row in range(y)]
+
+
+def grid_cols(x: int, y: int) -> list[list[int]]:
+    """Group ranks of each column (length Y)."""
+    return [[row * x + c for row in range(y)] for c in range(x)]
+
+
+def resolve_local_size(local_size: Optional[int], world: int) -> int:
+    """Processes per node for `hierarchical`: the option, or LOCAL_WORLD_SIZE."""
+    k = local_world_size(world) if local_size is None else local_size
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or world % k:
+        raise UserError(f"hierarchical local_size={k!r} does not divide the {world} ranks into equal nodes; "
+                        f"give a local_size that divides {world} (or launch with torchrun --nproc-per-node).")
+    return k
+
+
+def node_blocks(k: int, world: int) -> list[list[int]]:
+    """Group ranks of each node (k consecutive ranks)."""
+    return [list(range(n * k, (n + 1) * k)) for n in range(world // k)]
+
+
+def cross_blocks(k: int, world: int) -> list[list[int]]:
+    """Group ranks with the same local rank, one list per local rank."""
+    return [list(range(j, world, k)) for j in range(k)]

@@ -1,0 +1,43 @@
+"""2D-torus all-reduce over an X x Y grid of ranks (Mikami et al., arXiv 1811.05233).
+
+Ranks sit on a grid of ``Y`` rows of ``X`` ranks (group rank ``k`` at row
+``k // X``, column ``k % X``); by default ``X`` = processes per node and ``Y`` =
+nodes, so rows stay inside a node and only columns cross the network.
+
+1. Reduce-scatter along each row (ring, `ring.reduce_scatter`): the rank in
+   column ``c`` ends with the row-sum of chunk ``(c + 1) mod X`` (1/X of the tensor).
+2. All-reduce that chunk along each column (ring over the ``Y`` ranks of the
+   column, on the column's own sub-group): it now holds the global sum.
+3. All-gather along each row (`ring.all_gather`): every rank ends with the whole sum.
+
+Bytes sent per rank equal the ring's, ``2(N-1)/N n``; latency steps are
+``2(X-1) + 2(Y-1)`` instead of ``2(N-1)``. The row and column sub-groups are
+created once for the whole grid (`largebatch.comm.groups`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import ring
+from largebatch.comm.compression import Codec
+from largebatch.comm.groups import partition_group
+from largebatch.comm.topology import grid_cols, grid_rows, resolve_grid
+
+
+def setup(group: Optional[dist.ProcessGroup], world: int, grid: Optional[str]) -> tuple:
+    """Create (once) and return ``(row, col)`` as ``(subgroup, global_ranks, index)`` triples."""
+    x, y = resolve_grid(grid, world)
+    return partition_group(group, grid_rows(x, y)), partition_group(group, grid_cols(x, y))
+
+
+def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
+              codec: Codec, grid: Optional[str] = None) -> None:
+    """Sum ``flat`` in place over ``group`` arranged as ``grid`` (steps 1-3)."""
+    (rg, rranks, ri), (cg, cranks, ci) = setup(group, len(ranks), grid)
+    off = ring.reduce_scatter(flat, rranks, ri, rg, codec)                 # 1. along the row
+    own = ring.owned_chunk(ri, len(rranks))
+    ring.allreduce(flat[off[own]:off[own + 1]], cranks, ci, cg, codec)      # 2. along the column
+    ring.all_gather(flat, off, rranks, ri, rg, codec)                       # 3. along the row

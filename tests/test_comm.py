@@ -1,0 +1,190 @@
+"""largebatch.comm against exact sums and against the backend's all_reduce, on real gloo processes.
+
+Each world size (2, 3, 4, 6, 8) is spawned once; inside it every algorithm x
+compression x awkward length runs, plus explicit torus grids, hierarchical node
+sizes, integer and float64 tensors, and (at 2 and 3 ranks) the DDP hooks.
+
+Tolerances, with S = sum over ranks of |x_r| elementwise and u the unit roundoff:
+lossless float32 within p * 2^-23 * S of the exact float64 sum (summation order);
+fp16 / bf16 compression within (p + 3) * u * S (u = 2^-11 / 2^-8): at most one
+rounding to the wire format per partial sum, plus pre-scale and rescale.
+Integers and float64 sums must be exact / within 2^-50 S. All ranks must agree bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from largebatch import comm
+from largebatch.errors import UserError
+
+COMPRESSIONS = ("none", "fp16", "bf16")
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+GRIDS = {2: ["2x1", "1x2"], 3: ["3x1", "1x3"], 4: ["2x2", "4x1"], 6: ["2x3", "3x2"], 8: ["4x2", "2x4"]}
+LOCAL_SIZES = {2: [1, 2], 3: [1, 3], 4: [2, 4], 6: [2, 3], 8: [2, 4]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(p: int, n: int, case: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensor each rank contributes: every rank can rebuild all of them, so the exact sum needs no communication."""
+    out = []
+    for r in range(p):
+        g = torch.Generator().manual_seed(1000 * case + r)
+        if dtype.is_floating_point:
+            out.append((torch.randn(n, generator=g, dtype=torch.float64) * (1 + r)).to(dtype))
+        else:
+            out.append(torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype))
+    return out
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    ref = t.clone()
+    dist.broadcast(ref, 0)
+    ok = torch.tensor([int(torch.equal(ref, t))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _check(p: int, rank: int, n: int, case: int, algorithm: str, compression: str = "none",
+           dtype: torch.dtype = torch.float32, **options) -> None:
+    xs = _inputs(p, n, case, dtype)
+    got = comm.allreduce(xs[rank].clone(), algorithm, compression=compression, **options)
+    what = f"{algorithm} {options} compression={compression} n={n} p={p} dtype={dtype}"
+    assert got.dtype == dtype and got.shape == (n,), what
+    if not dtype.is_floating_point:
+        assert torch.equal(got, torch.stack(xs).sum(0)), what
+    else:
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        scale = torch.stack([x.double().abs() for x in xs]).sum(0)
+        if compression == "none":
+            eps = 2.0 ** -50 if dtype == torch.float64 else 2.0 ** -23
+            tol = p * eps * scale
+        else:
+            tol = (p + 3) * UNIT_ROUNDOFF[compression] * scale + 1e-7 * p
+        err = (got.double() - exact).abs()
+        assert bool((err <= tol).all()), f"{what}: max error {float((err - tol).max()):.3g} over tolerance"
+        native = comm.allreduce(xs[rank].clone(), "native", compression=compression)
+        assert bool(((got.double() - native.double()).abs() <= 2 * tol).all()), f"{what} differs from native"
+    assert _same_on_all_ranks(got), f"{what}: ranks disagree"
+
+
+def _check_ddp(p: int, rank: int) -> None:
+    """Every hook gives DDP's own averaged gradients (2 iterations: first bucket, then rebuilt small buckets)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from largebatch.comm.hook import CommHookState
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                                   torch.nn.Flatten(), torch.nn.Linear(128, 10))
+
+    def grads(hook: str | None, compression: str = "none") -> list[list[torch.Tensor]]:
+        net = DDP(model(), bucket_cap_mb=0.002)
+        state = comm.register(net, hook, compression=compression) if hook else None
+        out = []
+        for it in range(2):
+            g = torch.Generator().manual_seed(100 * it + rank)
+            x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+            net.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            out.append([q.grad.clone() for q in net.parameters()])
+        if state is not None:
+            blob = pickle.dumps(state)                      # state pickles without its groups/thread
+            back = pickle.loads(blob)
+            assert isinstance(back, CommHookState) and back.algorithm == hook and back.compression == compression
+            assert back.process_group is None and back._thread is None
+            state.close()
+        return out
+
+    ref = grads(None)
+    local = grads("noop")
+    plain = model()
+    for it in range(2):
+        g = torch.Generator().manual_seed(100 * it + rank)
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+        plain.zero_grad()
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        assert all(torch.allclose(a, q.grad, rtol=1e-6, atol=1e-7) for a, q in zip(local[it], plain.parameters()))
+    biggest = torch.tensor([max(float(t.abs().max()) for t in local[1] + local[0])])
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+    for algorithm in comm.ALGORITHMS:
+        for compression in COMPRESSIONS:
+            got = grads(algorithm, compression)
+            atol = 1e-6 if compression == "none" else (p + 3) * UNIT_ROUNDOFF[compression] * float(biggest)
+            for it in range(2):
+                for a, b in zip(got[it], ref[it]):
+                    assert torch.allclose(a, b, rtol=1e-5 if compression == "none" else 0, atol=atol), \
+                        f"DDP {algorithm}/{compression} iteration {it}: max diff {float((a - b).abs().max()):.3g}"
+                    assert _same_on_all_ranks(a), f"DDP {algorithm}/{compression}: replicas differ"
+
+
+def _check_errors(p: int, rank: int) -> None:
+    x = torch.ones(10)
+    for call, needle in [
+        (lambda: comm.allreduce(x, "torus2d", grid="3x2"), "grid 3x2"),
+        (lambda: comm.allreduce(x, "torus2d", grid="4"), "not of the form"),
+        (lambda: comm.allreduce(x, "hierarchical", local_size=3), "local_size=3"),
+        (lambda: comm.allreduce(x, "ring", grid="2x2"), "do not apply"),
+        (lambda: comm.allreduce(torch.ones(3, dtype=torch.int32), "ring", compression="fp16"), "floating-point"),
+    ]:
+        with pytest.raises(UserError, match=needle):
+            call()
+    assert torch.equal(x, torch.ones(10))
+
+
+def _worker(rank: int, p: int, port: int, local_world: int) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
+    try:
+        lengths = sorted({1, max(1, p - 1), p + 1, 1009, 262147})    # 262147 floats ~ 1 MB, prime
+        case = 0
+        for algorithm in comm.ALGORITHMS:
+            for compression in COMPRESSIONS:
+                for n in lengths:
+                    case += 1
+                    _check(p, rank, n, case, algorithm, compression)
+        for grid in GRIDS[p]:
+            for n in (p + 1, 1009, 65537):
+                case += 1
+                _check(p, rank, n, case, "torus2d", grid=grid)
+            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid)
+        for k in LOCAL_SIZES[p]:
+            for inter in ("halving_doubling", "ring", "native"):
+                case += 1
+                _check(p, rank, 1009, case, "hierarchical", local_size=k, inter=inter)
+            _check(p, rank, 4099, case, "hierarchical", "bf16", local_size=k)
+        for algorithm in comm.ALGORITHMS:
+            for dtype in (torch.int32, torch.int64, torch.float64):
+                case += 1
+                _check(p, rank, 1009, case, algorithm, dtype=dtype)
+        # a non-contiguous tensor is reduced in place too
+        m = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
+        comm.allreduce(m, "ring")
+        assert torch.equal(m, torch.arange(12.0).reshape(3, 4).t() * sum(range(1, p + 1)))
+        if p == 4:
+            _check_errors(p, rank)
+        if p in (2, 3):
+            _check_ddp(p, rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, local_world", [(2, 2), (3, 3), (4, 2), (6, 3), (8, 4)])
+def test_algorithms_match_exact_sum(world: int, local_world: int) -> None:
+    """Default torus grid / node size come from LOCAL_WORLD_SIZE (2x2, 3x2, 4x2 here)."""
+    mp.spawn(_worker, args=(world, _free_port(), local_world), nprocs=world, join=True)
