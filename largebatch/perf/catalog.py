@@ -128,7 +128,7 @@ def _eff_max(key: str, precision: str, seen: tuple[str, ...] = ()) -> tuple[floa
         return eff, b_half, str(c.get("source", ""))
     ref = c["reference"]
     cost = model_cost(ref["model"], int(ref.get("image_size", 224)), int(ref.get("in_channels", 3)),
-                      int(ref.get("num_classes", 1000)), ref.get("stem", "imagenet"))
+                      int(ref.get("num_classes", 1000)), ref.get("stem", "imagenet"), int(ref.get("width", 64)))
     # t_step(b) = t_img * (b + b_half) = b / images_per_s  ->  t_img, then eff_max = 3F / (peak t_img).
     b = float(ref["batch"])
     t_img = b / float(ref["images_per_s"]) / (b + b_half)

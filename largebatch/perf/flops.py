@@ -6,7 +6,7 @@ ResNet-50 at 224 px is 4.1 G MACs = 8.2 GFLOPs. A training step costs 3 x forwar
 
 1. Build the model from `largebatch.models.build_model` on the meta device (no memory, no arithmetic).
 2. Count forward FLOPs for one image with `count_flops` and the parameters (= gradient elements).
-3. Cache the result per (model, image size, channels, classes, stem).
+3. Cache the result per (model, image size, channels, classes, stem, width).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class ModelCost:
 
 @lru_cache(maxsize=64)
 def model_cost(name: str, image_size: int = 224, in_channels: int = 3, num_classes: int = 1000,
-               stem: str = "imagenet") -> ModelCost:
+               stem: str = "imagenet", width: int = 64) -> ModelCost:
     """Forward FLOPs per image and parameter count of a largebatch model (steps 1-3)."""
     from largebatch.models import build_model, count_flops
 
@@ -34,7 +34,7 @@ def model_cost(name: str, image_size: int = 224, in_channels: int = 3, num_class
         from largebatch.errors import UserError
         raise UserError(f"image size {image_size} must be a positive integer.")
     with torch.device("meta"):  # 1. shapes only
-        model = build_model(name, num_classes, in_channels=in_channels, stem=stem)
+        model = build_model(name, num_classes, in_channels=in_channels, stem=stem, width=width)
     flops = count_flops(model, (1, in_channels, image_size, image_size))  # 2.
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return ModelCost(name, image_size, float(flops), int(params))

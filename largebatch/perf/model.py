@@ -130,7 +130,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
             intra_node: str | None = None, inter_node: str = "ib-edr:1", algorithm: str = "ring",
             global_batch: int = 2048, epochs: float = 90.0, dataset_size: int = 1281167,
             precision: str = "fp16", image_size: int = 224, in_channels: int = 3, num_classes: int = 1000,
-            stem: str = "imagenet", bucket_mb: float = 25.0, overlap_comm: bool = True,
+            stem: str = "imagenet", width: int = 64, bucket_mb: float = 25.0, overlap_comm: bool = True,
             torus_x: int | None = None, price_per_device_hour: float | None = None,
             purchase_price: float | None = None) -> Prediction:
     """Predict one training plan (steps 1-7); impossible plans raise UserError."""
@@ -158,7 +158,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
     inter, mult = get_link(inter_node)
     g = min(devices_per_node, devices)
     topo = Topology(devices, g, intra, inter, mult, dev.gamma_s_per_byte)
-    cost = model_cost(model, image_size, in_channels, num_classes, stem)
+    cost = model_cost(model, image_size, in_channels, num_classes, stem, width)
     b = global_batch // devices
 
     grad_bytes = cost.params * BYTES_PER_ELEMENT[precision]         # 2.

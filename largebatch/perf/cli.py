@@ -1,0 +1,200 @@
+"""`largebatch plan`: predict step time, scaling efficiency, time-to-train and cost of a plan.
+
+    largebatch plan --model resnet50 --device v100 --devices 2176 --devices-per-node 4 \\
+        --intra-node nvlink2 --inter-node ib-edr:2 --algorithm torus2d --global-batch 34816 \\
+        --epochs 90 --dataset-size 1281167 --precision fp16 [--price-per-device-hour X] [--json]
+    largebatch plan ... --sweep devices=8:4096 [--out DIR]   table + PNGs, per-device batch fixed
+    largebatch plan --validate                               the published-runs table
+    largebatch plan --calibrate [--catalog-out F]            measure this machine
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from largebatch.cli import ArgumentParser
+from largebatch.errors import UserError
+from largebatch.perf.model import ALGORITHMS, Prediction, predict
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="largebatch plan", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model", default="resnet50")
+    a("--image-size", type=int, default=224)
+    a("--in-channels", type=int, default=3)
+    a("--num-classes", type=int, default=1000)
+    a("--stem", default="imagenet")
+    a("--width", type=int, default=64)
+    a("--device", default="v100", help="catalog device (see --list)")
+    a("--devices", type=int, default=8)
+    a("--devices-per-node", type=int, default=8)
+    a("--intra-node", default=None, help="intra-node link (default: the device's)")
+    a("--inter-node", default="ib-edr:1", help="inter-node link[:links per node]")
+    a("--algorithm", default="ring", help=f"one of {', '.join(ALGORITHMS)}")
+    a("--torus-x", type=int, default=None, help="torus2d row length (default: the cheapest divisor)")
+    a("--global-batch", type=int, default=2048)
+    a("--epochs", type=float, default=90.0)
+    a("--dataset-size", type=int, default=1281167)
+    a("--precision", default="fp16")
+    a("--bucket-mb", type=float, default=25.0)
+    a("--no-overlap", action="store_true", help="communication after backward, not during")
+    a("--price-per-device-hour", type=float, default=None)
+    a("--purchase-price", type=float, default=None, help="USD per device (default: the catalog's)")
+    a("--json", action="store_true", help="print one JSON object")
+    a("--sweep", default=None, help="devices=LO:HI (powers of two times devices per node)")
+    a("--out", default="runs/plan", help="where --sweep writes its PNGs")
+    a("--validate", action="store_true", help="the model against published runs")
+    a("--refit", action="store_true", help="with --validate: re-derive the fitted V100 b_half")
+    a("--calibrate", action="store_true", help="measure this machine into the user catalog")
+    a("--catalog-out", default=None, help="with --calibrate: the file to write")
+    a("--nproc", type=int, default=2, help="with --calibrate: worker processes")
+    a("--list", action="store_true", help="list devices, links and algorithms")
+    return p
+
+
+def _kwargs(args) -> dict:
+    return dict(model=args.model, device=args.device, devices=args.devices, devices_per_node=args.devices_per_node,
+                intra_node=args.intra_node, inter_node=args.inter_node, algorithm=args.algorithm,
+                global_batch=args.global_batch, epochs=args.epochs, dataset_size=args.dataset_size,
+                precision=args.precision, image_size=args.image_size, in_channels=args.in_channels,
+                num_classes=args.num_classes, stem=args.stem, width=args.width, bucket_mb=args.bucket_mb,
+                overlap_comm=not args.no_overlap, torus_x=args.torus_x,
+                price_per_device_hour=args.price_per_device_hour, purchase_price=args.purchase_price)
+
+
+def _hms(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _show(p: Prediction) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{p.model} on {p.devices} x {p.device} ({p.nodes} nodes of {p.devices_per_node}), "
+                    f"{p.algorithm}, {p.precision}", show_header=False)
+    rows = [("per-device batch", f"{p.per_device_batch} (global {p.global_batch})"),
+            ("gradient", f"{p.gradient_bytes / 2**20:.1f} MiB in {p.buckets} buckets"),
+            ("compute (fwd+bwd)", f"{p.compute_time_s * 1e3:.2f} ms"),
+            ("communication", f"{p.comm_time_s * 1e3:.2f} ms, exposed {p.exposed_comm_s * 1e3:.2f} ms"),
+            ("step", f"{p.step_time_s * 1e3:.2f} ms"),
+            ("images/s", f"{p.images_per_s:,.0f} ({p.images_per_s_per_device:,.1f} per device, MFU {100 * p.mfu:.1f}%)"),
+            ("scaling efficiency", f"{100 * p.scaling_efficiency:.1f}% vs one device, "
+                                   f"{100 * p.scaling_efficiency_node:.1f}% vs one node"),
+            ("time-to-train", f"{_hms(p.time_to_train_s)} ({p.epochs:g} epochs, {p.steps_per_epoch} steps each)"),
+            ("device-hours", f"{p.device_hours:,.1f}")]
+    if p.torus_grid:
+        rows.append(("torus grid", f"{p.torus_grid[0]} x {p.torus_grid[1]}"))
+    if p.cost_usd is not None:
+        rows.append(("cost", f"{p.cost_usd:,.0f} USD"))
+    if p.hardware_usd is not None:
+        rows.append(("hardware", f"{p.hardware_usd:,.0f} USD"))
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+
+
+def _sweep(args) -> int:
+    key, _, rng = args.sweep.partition("=")
+    lo_hi = rng.split(":")
+    if key != "devices" or len(lo_hi) != 2 or not all(x.isdigit() for x in lo_hi):
+        raise UserError(f"--sweep {args.sweep!r} is not understood; use devices=LO:HI, e.g. devices=8:4096.")
+    lo, hi = int(lo_hi[0]), int(lo_hi[1])
+    if lo < 1 or hi < lo:
+        raise UserError(f"--sweep range {lo}:{hi} is empty; use 1 <= LO <= HI.")
+    if args.global_batch % args.devices:
+        raise UserError(f"global batch {args.global_batch} does not split evenly over {args.devices} devices.")
+    per_device = args.global_batch // args.devices
+    counts = sorted({2**k for k in range(int(math.log2(lo)), int(math.log2(hi)) + 1) if lo <= 2**k <= hi}
+                    | {lo, hi})
+    counts = [n for n in counts if n <= args.devices_per_node or n % args.devices_per_node == 0]
+    results: dict[str, list[Prediction]] = {}
+    kw = _kwargs(args)
+    for alg in ALGORITHMS:
+        results[alg] = [predict(**{**kw, "algorithm": alg, "devices": n, "global_batch": per_device * n,
+                                   "torus_x": None}) for n in counts]
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{args.model} on {args.device}, {per_device} per device, {args.devices_per_node} per node, "
+                    f"{args.inter_node}")
+    for col in ("devices", "algorithm", "step ms", "exposed ms", "images/s", "eff vs 1", "eff vs node",
+                "time-to-train", "cost USD"):
+        t.add_column(col, justify="right")
+    for i, n in enumerate(counts):
+        for alg in ALGORITHMS:
+            p = results[alg][i]
+            t.add_row(str(n), alg, f"{p.step_time_s * 1e3:.1f}", f"{p.exposed_comm_s * 1e3:.1f}",
+                      f"{p.images_per_s:,.0f}", f"{100 * p.scaling_efficiency:.1f}%",
+                      f"{100 * p.scaling_efficiency_node:.1f}%", _hms(p.time_to_train_s),
+                      "-" if p.cost_usd is None else f"{p.cost_usd:,.0f}")
+    Console().print(t)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    money = "cost_usd" if args.price_per_device_hour is not None else "device_hours"
+    figs = [("scaling_efficiency.png", "scaling efficiency (vs one device)", lambda p: p.scaling_efficiency, True),
+            ("time_to_train.png", "time-to-train (h)", lambda p: p.time_to_train_s / 3600, True),
+            ("cost_vs_time.png", "cost (USD)" if money == "cost_usd" else "device-hours", None, False)]
+    for name, ylabel, fn, by_devices in figs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for alg in ALGORITHMS:
+            ps = results[alg]
+            if by_devices:
+                ax.plot(counts, [fn(p) for p in ps], marker="o", label=alg)
+            else:
+                ax.plot([p.time_to_train_s / 3600 for p in ps], [getattr(p, money) for p in ps], marker="o", label=alg)
+        ax.set_xscale("log")
+        ax.set_xlabel("devices" if by_devices else "time-to-train (h)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+    print(f"wrote {', '.join(str(out / f[0]) for f in figs)}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.list:
+        from largebatch.perf.catalog import load_catalog
+        cat = load_catalog()
+        print("devices:    " + ", ".join(sorted(cat["devices"])))
+        print("links:      " + ", ".join(sorted(cat["links"])))
+        print("algorithms: " + ", ".join(ALGORITHMS))
+        return 0
+    if args.calibrate:
+        from largebatch.perf import calibrate
+        entries = calibrate.measure(args.model, args.image_size, args.in_channels, args.num_classes, args.stem,
+                                    args.width, args.precision, args.nproc)
+        path = calibrate.write(entries, Path(args.catalog_out) if args.catalog_out else None)
+        print(json.dumps(entries, indent=2) if args.json else f"wrote this-machine and loopback to {path}")
+        return 0
+    if args.validate:
+        from largebatch.perf import validate
+        rs = validate.rows()
+        if args.json:
+            print(json.dumps([{**r.__dict__, "error": r.error} for r in rs], indent=2))
+        else:
+            validate.table(rs)
+        if args.refit:
+            print(f"fitted V100 fp16 b_half: {validate.fit_v100_b_half():.0f}")
+        return 0
+    if args.sweep:
+        return _sweep(args)
+    p = predict(**_kwargs(args))
+    if args.json:
+        print(json.dumps(p.to_json(), indent=2))
+    else:
+        _show(p)
+    return 0
