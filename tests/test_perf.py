@@ -1,0 +1,177 @@
+"""The performance model: hand-computed all-reduce costs, limits, monotonicity, JSON keys, errors."""
+from __future__ import annotations
+
+import io
+import json
+import math
+from contextlib import redirect_stdout
+
+import pytest
+
+from largebatch import cli
+from largebatch.errors import UserError
+from largebatch.perf import ALGORITHMS, allreduce_time, halving_doubling, hierarchical, predict, ring, torus2d, tree
+from largebatch.perf.catalog import Link, get_device, get_link, load_catalog
+from largebatch.perf.model import bucket_sizes, overlap
+from largebatch.perf.topology import Topology
+
+# Round numbers so the expected values can be worked out by hand:
+# intra: alpha 1 ms, 1 MB/s; inter: alpha 2 ms, 1 MB/s per link.
+INTRA = Link("i", 1e-3, 1e6)
+INTER = Link("e", 2e-3, 1e6)
+
+
+def topo(p: int, g: int, mult: int = 1, gamma: float = 0.0) -> Topology:
+    return Topology(p, g, INTRA, INTER, mult, gamma)
+
+
+def test_ring_one_node_three_ranks_with_gamma():
+    # 2(p-1) = 4 steps of S/p = 1000 B: 4 x (1 ms + 1 ms) + reduce 2 x 1000 B x 1e-7 s/B.
+    assert ring.cost(3000, topo(3, 3, gamma=1e-7)) == pytest.approx(8e-3 + 2e-4)
+
+
+def test_ring_two_nodes_two_links():
+    # 6 steps of 1000 B; slowest edge leaves a node: 2 ms + 1000 B / (2 x 1 MB/s) = 2.5 ms.
+    assert ring.cost(4000, topo(4, 2, mult=2)) == pytest.approx(6 * 2.5e-3)
+
+
+def test_halving_doubling_power_of_two():
+    # steps k=0,1 with S/2, S/4 bytes, each once halving and once doubling: 2 x (3 ms + 2 ms).
+    assert halving_doubling.cost(4000, topo(4, 4)) == pytest.approx(10e-3)
+
+
+def test_halving_doubling_three_ranks():
+    # fold (0 -> 1, S = 3000 B): 4 ms; one exchange of 1500 B each way: 2 x 2.5 ms; unfold: 4 ms.
+    assert halving_doubling.cost(3000, topo(3, 3)) == pytest.approx(13e-3)
+
+
+def test_halving_doubling_six_ranks_across_nodes():
+    # p = 6, g = 3: fold pairs (0,1), (2,3): (2,3) crosses -> 2 ms + 6000 B / 1 MB/s = 8 ms.
+    # active ranks [1, 3, 4, 5]; k=0 pairs (1,3) (4,5): 1 flow out of each node: 2 ms + 3 ms = 5 ms;
+    # k=1 pairs (1,4) crosses, (3,5) stays in node 1: 2 ms + 1500 B / 1 MB/s = 3.5 ms.
+    # fold 8 + halving (5 + 3.5) + doubling (5 + 3.5) + unfold 8 = 33 ms.
+    assert halving_doubling.cost(6000, topo(6, 3)) == pytest.approx(33e-3)
+
+
+def test_torus2d_three_by_two_one_node():
+    # rows of 3: 2 + 2 steps of 2000 B (3 ms); columns of 2: 1 + 1 steps of 1000 B (2 ms).
+    assert torus2d.cost(6000, topo(6, 6), x=3) == pytest.approx(16e-3)
+    # the same bytes per rank as the ring (10 x 1000 B) with fewer latency steps
+    assert ring.cost(6000, topo(6, 6)) == pytest.approx(20e-3)
+
+
+def test_hierarchical_two_nodes_of_two():
+    # intra reduce-scatter 3 ms + gather 3 ms; roots 0 and 2 exchange 2000 B twice across nodes
+    # (2 ms + 2 ms each); broadcast 3 ms + 3 ms.
+    assert hierarchical.cost(4000, topo(4, 2)) == pytest.approx(20e-3)
+
+
+def test_tree_two_nodes_of_two():
+    # chains: 2 x (1 ms + 4 ms); tree over 2 nodes (depth 1): 2 x (2 ms + 4 ms).
+    assert tree.cost(4000, topo(4, 2)) == pytest.approx(22e-3)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("p,g", [(2, 2), (3, 3), (6, 3), (12, 4), (16, 4), (24, 8)])
+def test_more_bandwidth_is_never_slower(algorithm, p, g):
+    slow = Topology(p, g, INTRA, INTER, 1, 1e-9)
+    fast_inter = Topology(p, g, INTRA, Link("e2", 2e-3, 3e6), 1, 1e-9)
+    fast_intra = Topology(p, g, Link("i2", 1e-3, 5e6), INTER, 1, 1e-9)
+    more_links = Topology(p, g, INTRA, INTER, 2, 1e-9)
+    base = allreduce_time(algorithm, 1e6, slow)
+    assert base > 0
+    for faster in (fast_inter, fast_intra, more_links):
+        assert allreduce_time(algorithm, 1e6, faster) <= base * (1 + 1e-12)
+    assert allreduce_time(algorithm, 2e6, slow) >= base
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_one_device_means_no_communication(algorithm):
+    assert allreduce_time(algorithm, 1e8, topo(1, 1)) == 0.0
+    p = predict(model="resnet18", device="a100", devices=1, devices_per_node=8, algorithm=algorithm,
+                global_batch=64, precision="fp16")
+    assert p.comm_time_s == 0.0 and p.exposed_comm_s == 0.0
+    assert p.step_time_s == p.compute_time_s and p.scaling_efficiency == 1.0
+
+
+def test_overlap_and_buckets():
+    # backward 10 s; two equal buckets ready at 5 s and 10 s, 1 s each: only the last is exposed.
+    assert overlap(10.0, [1.0, 1.0], [1, 1]) == pytest.approx(1.0)
+    assert overlap(10.0, [1.0, 1.0], [1, 1], enabled=False) == pytest.approx(2.0)
+    # communication longer than backward is exposed beyond it: ready 5 -> 11, 11 -> 17.
+    assert overlap(10.0, [6.0, 6.0], [1, 1]) == pytest.approx(7.0)
+    assert bucket_sizes(10, 4) == [4, 4, 2]
+
+
+def test_predict_limits_and_relations():
+    kw = dict(model="resnet50", device="v100", devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2",
+              algorithm="torus2d", precision="fp16", epochs=90)
+    small = predict(devices=64, global_batch=64 * 32, **kw)
+    big = predict(devices=1024, global_batch=1024 * 32, **kw)
+    assert big.images_per_s > small.images_per_s
+    assert big.scaling_efficiency <= small.scaling_efficiency <= 1.0
+    assert big.step_time_s == pytest.approx(big.compute_time_s + big.exposed_comm_s)
+    assert big.exposed_comm_s <= big.comm_time_s
+    assert big.time_to_train_s == pytest.approx(90 * math.ceil(1281167 / (1024 * 32)) * big.step_time_s)
+    # ResNet-50: 4.09 G MACs = 8.18 GFLOPs forward, 25.6 M parameters -> fp16 gradients of 51 MB.
+    assert big.forward_flops_per_image == pytest.approx(8.18e9, rel=0.01)
+    assert big.gradient_bytes == 2 * big.params
+    # small per-device batches run below peak: per-device images/s grows with the per-device batch
+    per16 = predict(devices=64, global_batch=64 * 16, **kw).images_per_s_per_device
+    assert per16 < small.images_per_s_per_device
+    priced = predict(devices=64, global_batch=2048, price_per_device_hour=2.0, **kw)
+    assert priced.cost_usd == pytest.approx(priced.device_hours * 2.0)
+    assert priced.hardware_usd == pytest.approx(64 * 16125)
+
+
+def test_json_keys_from_the_command():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = cli.main(["plan", "--model", "resnet50", "--device", "v100", "--devices", "32", "--devices-per-node", "4",
+                       "--intra-node", "nvlink2", "--inter-node", "ib-edr:2", "--algorithm", "torus2d",
+                       "--global-batch", "1024", "--epochs", "90", "--precision", "fp16",
+                       "--price-per-device-hour", "3", "--json"])
+    assert rc == 0
+    out = json.loads(buf.getvalue())
+    for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s", "images_per_s",
+                "scaling_efficiency", "time_to_train_s", "cost_usd"):
+        assert isinstance(out[key], float), key
+    assert out["torus_grid"][0] * out["torus_grid"][1] == 32
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--device", "k80"], "unknown device 'k80'; choose one of: a100"),
+    (["--inter-node", "myrinet"], "unknown link 'myrinet'"),
+    (["--inter-node", "ib-edr:0"], "multiplicity"),
+    (["--algorithm", "butterfly"], "unknown algorithm 'butterfly'; choose one of: ring"),
+    (["--devices", "16", "--global-batch", "8"], "smaller than the 16 devices"),
+    (["--devices", "12", "--devices-per-node", "8", "--global-batch", "1200"], "do not fill nodes of 8"),
+    (["--devices", "8", "--global-batch", "100"], "does not split evenly"),
+    (["--algorithm", "torus2d", "--devices", "8", "--torus-x", "3"], "does not divide 8"),
+    (["--device", "p100", "--precision", "bf16"], "no peak for precision 'bf16'"),
+    (["--sweep", "gpus=1:8"], "--sweep"),
+    (["--devices", "many"], "invalid int value"),
+])
+def test_user_errors(argv, words, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_user_error_from_the_function():
+    with pytest.raises(UserError, match="choose one of"):
+        predict(device="tpu")
+    with pytest.raises(UserError, match="ib-edr"):
+        get_link("ethernet")
+
+
+def test_every_catalog_figure_has_a_source():
+    cat = load_catalog()
+    for key, d in cat["devices"].items():
+        assert d.get("peak_source") and d.get("memory_source"), key
+        for prec, c in d["efficiency"].items():
+            assert c.get("source"), (key, prec)
+            assert 0 < get_device(key, prec).eff_max < 1, (key, prec)
+    for key, link in cat["links"].items():
+        assert link.get("source"), key
