@@ -1,0 +1,365 @@
+"""`largebatch bench allreduce`: bus bandwidth of each all-reduce algorithm beside the backend's own.
+
+1. Launch: not under torchrun, start ``--nproc`` local workers with
+   ``torch.distributed.run`` (gloo on 127.0.0.1, or NCCL when CUDA is visible) running
+   this same command; under torchrun (e.g. inside ``largebatch cluster run``) use
+   the existing world. One launch path, as everywhere in largebatch.
+2. For each size (``--sizes 4KB:64MB`` = powers of 4 from 4 KB to 64 MB, or a comma
+   list) and each algorithm: a float32 tensor of that many bytes, ``--warmup``
+   untimed calls (the first creates any sub-groups), a barrier, then the timed
+   region covers exactly ``iters`` back-to-back all-reduces (CUDA: synchronised at
+   the end). The time is the slowest rank's mean (taken after the timed region).
+3. Report in the nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(p-1)/p,
+   and busbw relative to ``native`` at the same size.
+4. Fit alpha (s) and beta (s/byte) per algorithm to the timings
+   (`largebatch.comm.cost.fit`) and print measured against predicted times.
+5. Rank 0 writes ``--json`` (all rows, fits, command, machine) and ``--plot`` (busbw
+   against size, matplotlib Agg).
+
+``--training``: instead of 2.-4., run the same DDP training steps (a small ResNet-18
+on synthetic images, bucket ``--bucket-mb``) with DDP's own all-reduce, with each
+algorithm as comm hook and with the ``noop`` hook, and report the exposed
+communication time per step, t(hook) - t(noop) (`measure_training`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch import comm
+from largebatch.cli import ArgumentParser
+from largebatch.comm import cost
+from largebatch.errors import UserError
+
+MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
+UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEFAULT_ALGORITHMS = ["native", "ring", "halving_doubling", "torus2d", "hierarchical"]
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    if not m:
+        raise UserError(f"size {text!r} is not a byte count like 4KB, 16MB or 1048576.")
+    value = int(float(m.group(1)) * UNITS[m.group(2)])
+    if value < 4:
+        raise UserError(f"size {text!r} is smaller than one float32 (4 bytes); give at least 4B.")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``LO:HI`` (powers of 4 from LO up to HI), ``LO:HI:FACTOR``, or a comma list."""
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise UserError(f"--sizes {text!r} must be LO:HI, LO:HI:FACTOR or a comma list, e.g. 4KB:64MB.")
+        lo, hi = parse_size(parts[0]), parse_size(parts[1])
+        factor = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else 4
+        if hi < lo or factor < 2:
+            raise UserError(f"--sizes {text!r}: need LO <= HI and an integer FACTOR >= 2.")
+        out = [lo]
+        while out[-1] * factor <= hi:
+            out.append(out[-1] * factor)
+        return out
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def human(nbytes: float) -> str:
+    for unit in ("GB", "MB", "KB"):
+        if nbytes >= UNITS[unit]:
+            return f"{nbytes / UNITS[unit]:g}{unit}"
+    return f"{int(nbytes)}B"
+
+
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="largebatch bench allreduce", description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=4, help="local worker processes when not under torchrun")
+    ap.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
+                    help="algorithms to run (native is always added as the reference)")
+    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    ap.add_argument("--sizes", default="4KB:64MB", help="LO:HI[:FACTOR] or a comma list (bytes, KB, MB, GB)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: by size)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    ap.add_argument("--grid", default=None, help="torus2d grid XxY (default: processes per node x nodes)")
+    ap.add_argument("--local-size", type=int, default=None, help="hierarchical processes per node")
+    ap.add_argument("--json", default=None, help="write the results here (rank 0)")
+    ap.add_argument("--plot", default=None, help="write a PNG of busbw against size here (rank 0)")
+    ap.add_argument("--training", action="store_true", help="exposed comm time per DDP training step instead")
+    ap.add_argument("--steps", type=int, default=6, help="--training: timed steps per hook")
+    ap.add_argument("--batch", type=int, default=16, help="--training: images per worker per step")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="--training: DDP bucket_cap_mb")
+    ap.add_argument("--width", type=int, default=32, help="--training: ResNet-18 width (channels of stage 1)")
+    return ap
+
+
+def _validate(args: Any) -> None:
+    if args.nproc < 2:
+        raise UserError(f"--nproc {args.nproc}: an all-reduce needs at least 2 processes.")
+    for name in args.algorithms:
+        comm.resolve(name, {})
+    if args.iters is not None and args.iters < 1:
+        raise UserError("--iters must be at least 1.")
+    args.size_list = parse_sizes(args.sizes)
+    if not args.size_list:
+        raise UserError(f"--sizes {args.sizes!r} names no size; e.g. 4KB:64MB.")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The workers' arguments: --nproc dropped (torchrun would take it for its own --nproc-per-node)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    _validate(args)
+    if not _under_torchrun():                                                   # 1. launch
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "-m", "largebatch", "bench", "allreduce", *_without_nproc(argv)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return subprocess.run(cmd, env=env).returncode
+    from largebatch import dist as ldist
+
+    device = ldist.pick_device("auto")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    info = ldist.init(device)
+    ldist.set_threads(None, info.local_world_size)
+    try:
+        if args.training:
+            rows = measure_training(args.algorithms, steps=args.steps, batch=args.batch, bucket_mb=args.bucket_mb,
+                                    width=args.width, compression=args.compression, device=device)
+            if info.is_main:
+                _print_training(rows, info.world_size)
+                _write_json(args, {"training": rows, "world_size": info.world_size})
+        else:
+            rows = measure(args, device, info.world_size)
+            if info.is_main:
+                fits = _fits(rows, info.world_size, args)
+                _print_table(rows, fits, info.world_size, args)
+                _write_json(args, {"rows": rows, "fits": fits, "world_size": info.world_size,
+                                   "nodes": info.num_nodes, "local_world_size": info.local_world_size})
+                if args.plot:
+                    _plot(rows, args.plot, info.world_size, info.num_nodes)
+    finally:
+        ldist.shutdown()
+    return 0
+
+
+def _options(name: str, args: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {"compression": args.compression}
+    if name == "torus2d":
+        opts["grid"] = args.grid
+    if name == "hierarchical":
+        opts["local_size"] = args.local_size
+    return opts
+
+
+def _iters(size: int) -> int:
+    return max(3, min(50, (64 << 20) // size))
+
+
+def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
+    """Step 2: one row per (algorithm, size) with the slowest rank's mean seconds per call."""
+    names = ["native"] + [a for a in args.algorithms if a != "native"]
+    rows = []
+    for size in args.size_list:
+        x = torch.zeros(size // 4, dtype=torch.float32, device=device)    # zeros: values never overflow
+        iters = args.iters or _iters(size)
+        for name in names:
+            opts = _options(name, args)
+            for _ in range(args.warmup):
+                comm.allreduce(x, name, **opts)
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                comm.allreduce(x, name, **opts)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                    # host sync, outside the timed region
+            t = float(elapsed.item())
+            algbw = x.numel() * 4 / t
+            rows.append({"algorithm": name, "compression": args.compression, "bytes": x.numel() * 4,
+                         "iters": iters, "time_s": t, "algbw_GBps": algbw / 1e9,
+                         "busbw_GBps": algbw * 2 * (p - 1) / p / 1e9})
+    return rows
+
+
+def _layout(name: str, args: Any, p: int) -> dict[str, Any]:
+    """The grid / node size the algorithm actually used (for the cost model)."""
+    from largebatch.comm.topology import local_world_size
+
+    if name == "torus2d":
+        if args.grid:
+            return {"grid": args.grid}
+        x = local_world_size(p)
+        return {"grid": f"{x}x{p // x}"}
+    if name == "hierarchical":
+        return {"local_size": args.local_size or local_world_size(p)}
+    return {}
+
+
+def _fits(rows: list[dict[str, Any]], p: int, args: Any) -> dict[str, dict[str, float]]:
+    """Step 4: alpha, beta per algorithm, and each row's predicted time."""
+    fits = {}
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == name]
+        layout = _layout(name, args, p)
+        alpha, beta = cost.fit(name, p, [r["bytes"] for r in mine], [r["time_s"] for r in mine], **layout)
+        errs = []
+        for r in mine:
+            r["predicted_s"] = cost.predict(name, p, r["bytes"], alpha, beta, **layout)
+            errs.append(abs(r["predicted_s"] / r["time_s"] - 1))
+        fits[name] = {"alpha_s": alpha, "beta_s_per_byte": beta, "max_rel_error": max(errs), **layout}
+    return fits
+
+
+def _print_table(rows: list[dict[str, Any]], fits: dict, p: int, args: Any) -> None:
+    native = {r["bytes"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "native"}
+    print(f"# all-reduce, {p} processes, float32, compression={args.compression}; busbw = algbw * 2(p-1)/p")
+    print(f"{'size':>8} {'algorithm':>17} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
+          f"{'vs native':>9} {'pred(us)':>10}")
+    for r in rows:
+        print(f"{human(r['bytes']):>8} {r['algorithm']:>17} {r['time_s'] * 1e6:>11.1f} {r['algbw_GBps']:>12.3f} "
+              f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {r['predicted_s'] * 1e6:>10.1f}")
+    print("# alpha-beta fit per algorithm (least squares on relative error)")
+    for name, f in fits.items():
+        print(f"{name:>17}: alpha = {f['alpha_s'] * 1e6:8.1f} us, 1/beta = "
+              f"{(1 / f['beta_s_per_byte'] / 1e9 if f['beta_s_per_byte'] else float('inf')):7.3f} GB/s, "
+              f"max |pred/measured - 1| = {f['max_rel_error']:.0%}")
+
+
+def _write_json(args: Any, payload: dict[str, Any]) -> None:
+    if not args.json:
+        return
+    payload = {"command": "largebatch bench allreduce " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "allreduce"] else sys.argv[1:]),
+               "machine": MACHINE, **payload}
+    with open(args.json, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == name]
+        ax.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o", ms=3, label=name,
+                linestyle="--" if name == "native" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["bytes"] for r in rows if r["algorithm"] == "native"],
+                  [human(r["bytes"]) for r in rows if r["algorithm"] == "native"], fontsize=7)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"all-reduce busbw, {nodes} node(s) x {p // max(1, nodes)} processes, gloo ({MACHINE})", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# --training: exposed communication time per DDP step
+
+def _model(width: int) -> torch.nn.Module:
+    try:
+        from largebatch.models import build_model
+
+        return build_model("resnet18", num_classes=10, in_channels=3, stem="small", width=width)
+    except ImportError:                             # models not there yet: a tiny conv net
+        return torch.nn.Sequential(torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, 10))
+
+
+def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, bucket_mb: float = 25.0,
+                     width: int = 32, compression: str = "none", image_size: int = 32,
+                     device: Optional[torch.device] = None, warmup: int = 2) -> list[dict[str, Any]]:
+    """Seconds per DDP training step with DDP's own all-reduce ("ddp"), each hook and ``noop``.
+
+    Collective: call on every rank. Returns rows ``{"hook", "step_s", "exposed_comm_s"}``
+    with exposed = t(hook) - t(noop), the slowest rank's mean over ``steps`` timed steps.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = device or torch.device("cpu")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 3, image_size, image_size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    hooks = ["noop", "ddp"] + [a for a in algorithms]
+    rows = []
+    for hook in hooks:
+        torch.manual_seed(0)
+        net = _model(width).to(device)
+        ddp = DDP(net, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None)
+        state = None if hook == "ddp" else comm.register(ddp, hook, compression=compression)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+        for _ in range(warmup):
+            step()
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                   # host sync, outside the timed region
+        rows.append({"hook": hook, "compression": compression if hook != "ddp" else "none",
+                     "step_s": float(elapsed.item()),
+                     "gradient_MB": sum(q.numel() * q.element_size() for q in net.parameters()) / 2**20})
+        if state is not None:
+            state.close()
+        del ddp, net, opt
+    base = rows[0]["step_s"]
+    for r in rows:
+        r["exposed_comm_s"] = r["step_s"] - base
+    return rows
+
+
+def _print_training(rows: list[dict[str, Any]], p: int) -> None:
+    print(f"# DDP training step, ResNet-18 ({rows[0]['gradient_MB']:.1f} MB of gradients), {p} processes; "
+          f"exposed comm = t(hook) - t(noop)")
+    print(f"{'hook':>17} {'step(ms)':>10} {'exposed comm(ms)':>17}")
+    for r in rows:
+        print(f"{r['hook']:>17} {r['step_s'] * 1e3:>10.1f} {r['exposed_comm_s'] * 1e3:>17.1f}")
