@@ -27,6 +27,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -93,7 +94,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument("--plot", default=None, help="write a PNG of busbw against size here (rank 0)")
     ap.add_argument("--training", action="store_true", help="exposed comm time per DDP training step instead")
-    ap.add_argument("--steps", type=int, default=6, help="--training: timed steps per hook")
+    ap.add_argument("--steps", type=int, default=3, help="--training: timed steps per hook")
+    ap.add_argument("--rounds", type=int, default=3, help="--training: interleaved rounds (median reported)")
     ap.add_argument("--batch", type=int, default=16, help="--training: images per worker per step")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="--training: DDP bucket_cap_mb")
     ap.add_argument("--width", type=int, default=32, help="--training: ResNet-18 width (channels of stage 1)")
@@ -153,7 +155,7 @@ def main(argv: list[str]) -> int:
     ldist.set_threads(None, info.local_world_size)
     try:
         if args.training:
-            rows = measure_training(args.algorithms, steps=args.steps, batch=args.batch, bucket_mb=args.bucket_mb,
+            rows = measure_training(args.algorithms, steps=args.steps, rounds=args.rounds, batch=args.batch, bucket_mb=args.bucket_mb,
                                     width=args.width, compression=args.compression, device=device)
             if info.is_main:
                 _print_training(rows, info.world_size)
@@ -306,11 +308,13 @@ def _model(width: int) -> torch.nn.Module:
 
 def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, bucket_mb: float = 25.0,
                      width: int = 32, compression: str = "none", image_size: int = 32,
-                     device: Optional[torch.device] = None, warmup: int = 2) -> list[dict[str, Any]]:
+                     device: Optional[torch.device] = None, warmup: int = 2,
+                     rounds: int = 3) -> list[dict[str, Any]]:
     """Seconds per DDP training step with DDP's own all-reduce ("ddp"), each hook and ``noop``.
 
     Collective: call on every rank. Returns rows ``{"hook", "step_s", "exposed_comm_s"}``
-    with exposed = t(hook) - t(noop), the slowest rank's mean over ``steps`` timed steps.
+    with exposed = t(hook) - t(noop): per round, the slowest rank's mean over ``steps``
+    timed steps; rounds interleave the hooks, and the median round is reported.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -320,37 +324,45 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
     x = torch.randn(batch, 3, image_size, image_size, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
     hooks = ["noop", "ddp"] + [a for a in algorithms]
-    rows = []
-    for hook in hooks:
+    runs = []
+    for hook in hooks:                              # every rank builds and registers in the same order
         torch.manual_seed(0)
         net = _model(width).to(device)
         ddp = DDP(net, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None)
         state = None if hook == "ddp" else comm.register(ddp, hook, compression=compression)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        runs.append((hook, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)))
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
+    def step(ddp: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
 
+    for _, ddp, _, opt in runs:
         for _ in range(warmup):
-            step()
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                   # host sync, outside the timed region
-        rows.append({"hook": hook, "compression": compression if hook != "ddp" else "none",
-                     "step_s": float(elapsed.item()),
-                     "gradient_MB": sum(q.numel() * q.element_size() for q in net.parameters()) / 2**20})
+            step(ddp, opt)
+    samples: dict[str, list[float]] = {h: [] for h in hooks}
+    for _ in range(rounds):                         # interleaved rounds: load drifts hit every hook alike
+        for hook, ddp, _, opt in runs:
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(ddp, opt)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)           # host sync, outside the timed region
+            samples[hook].append(float(elapsed.item()))
+    grad_mb = sum(q.numel() * q.element_size() for q in runs[0][1].parameters()) / 2**20
+    for _, _, state, _ in runs:
         if state is not None:
             state.close()
-        del ddp, net, opt
+    rows = []
+    for hook in hooks:
+        rows.append({"hook": hook, "compression": compression if hook not in ("ddp", "noop") else "none",
+                     "step_s": statistics.median(samples[hook]), "samples_s": samples[hook],
+                     "gradient_MB": grad_mb})
     base = rows[0]["step_s"]
     for r in rows:
         r["exposed_comm_s"] = r["step_s"] - base
