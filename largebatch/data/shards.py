@@ -46,7 +46,6 @@ import tarfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
