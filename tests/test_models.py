@@ -12,6 +12,15 @@ from largebatch.models.resnet import BasicBlock, Bottleneck
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def resnet50() -> nn.Module:
     torch.manual_seed(0)

@@ -17,6 +17,16 @@ from largebatch.optim import LAMB, LARS, OPTIMIZERS, build_optimizer, param_grou
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # Four tensors: an ordinary weight, a second weight, a weight that is all zeros (||w|| = 0), and one
 # whose gradient is zero at the first step (||g|| = 0); plus a "BN" vector in an excluded group.
 RNG = np.random.default_rng(0)
@@ -205,17 +215,8 @@ def test_build_optimizer_groups_and_errors() -> None:
 PROBLEM = {"sgd": (0.05, {}), "lars": (0.1, {"trust_coefficient": 0.1}), "lamb": (0.05, {})}
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_every_optimizer_fits_a_small_regression(name: str, one_thread: None) -> None:
+def test_every_optimizer_fits_a_small_regression(name: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 8)
     y = x @ torch.randn(8, 2) + 0.5
