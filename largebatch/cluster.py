@@ -190,9 +190,10 @@ def _shape(dev: str, ns: str, gbit: float, delay_ms: float, warn: list[bool]) ->
     """Token bucket at `gbit` on the egress of `dev`, plus a netem delay child when asked."""
     rate_bytes = gbit * 1e9 / 8
     # Bucket: >= 4 ms of traffic (so a coarse kernel timer cannot starve the link) and >= one
-    # 64 KiB GSO segment; queue: 20 ms of traffic, at least 256 KiB.
+    # 64 KiB GSO segment. Queue: a shallow 2 ms of traffic (at least 64 KiB), like a switch
+    # port's buffer, so that queued data delays the reverse direction's ACKs little.
     burst = int(max(rate_bytes * 0.004, 65536 + 1514))
-    limit = int(max(rate_bytes * 0.02, 262144))
+    limit = int(max(rate_bytes * 0.002, 65536))
     _must("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
           "rate", f"{gbit * 1000:.3f}mbit", "burst", str(burst), "limit", str(limit), ns=ns)
     if delay_ms > 0:
