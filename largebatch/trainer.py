@@ -356,7 +356,7 @@ class Trainer:
                             dist.all_reduce(loss)
                             loss /= self.info.world_size
                         now = time.perf_counter()
-                        rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step - 1) + 1 / phase.steps_per_epoch, 4),
+                        rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
                                "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
                                "images_per_s": (self.images_seen - last_log_images) / max(now - last_log_t, 1e-9),
                                "data_wait_s": data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
@@ -401,8 +401,7 @@ class Trainer:
                           flip=self.cfg.train.eval_flip, batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch),
                           sync_buffers=self._sync_buffers)
         self.best_top1 = max(self.best_top1, result["top1"])
-        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step - 1) + 1e-9, 4)
-               if self.step else 0.0, **result, "time": self.wall_before + self._session_wall()}
+        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.wall_before + self._session_wall()}
         self.metrics.write(rec)
         if self.main and not self.quiet:
             self.display.message(f"eval step {self.step}: top-1 {result['top1']:.4f}  top-5 {result['top5']:.4f}  "
@@ -419,7 +418,7 @@ class Trainer:
             "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
             "final_top1": self.last_eval["top1"], "final_top5": self.last_eval["top5"],
             "final_loss": self.last_eval["loss"], "best_top1": max(self.best_top1, self.last_eval["top1"]),
-            "epochs": round(self.plan.epoch_float(self.step - 1) + 1 / self.plan.phase_at(self.step - 1).steps_per_epoch, 4),
+            "epochs": round(self.plan.epoch_float(self.step), 4),
             "steps": self.step, "wall_s": wall,
             "train_images_per_s": self.images_seen / max(self.train_time, 1e-9),
             "world_size": self.info.world_size, "global_batch": self.plan.phase_at(self.step - 1).global_batch,
