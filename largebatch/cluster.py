@@ -190,10 +190,11 @@ def _shape(dev: str, ns: str, gbit: float, delay_ms: float, warn: list[bool]) ->
     """Token bucket at `gbit` on the egress of `dev`, plus a netem delay child when asked."""
     rate_bytes = gbit * 1e9 / 8
     # Bucket: >= 4 ms of traffic (so a coarse kernel timer cannot starve the link) and >= one
-    # 64 KiB GSO segment. Queue: a shallow 2 ms of traffic (at least 64 KiB), like a switch
-    # port's buffer, so that queued data delays the reverse direction's ACKs little.
+    # 64 KiB GSO segment. Queue: 20 ms of traffic, at least 256 KiB: veth hands tbf 64 KiB
+    # GSO packets, and a queue of only a few of them (e.g. 64 KiB) makes TCP collapse to a
+    # few Mbit/s in retransmission timeouts (measured at 0.2 Gbit/s).
     burst = int(max(rate_bytes * 0.004, 65536 + 1514))
-    limit = int(max(rate_bytes * 0.002, 65536))
+    limit = int(max(rate_bytes * 0.02, 262144))
     _must("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
           "rate", f"{gbit * 1000:.3f}mbit", "burst", str(burst), "limit", str(limit), ns=ns)
     if delay_ms > 0:
