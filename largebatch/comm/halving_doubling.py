@@ -10,15 +10,17 @@ Goyal et al. (2017). ``p`` ranks ``R[0..p-1]``; ``p2`` is the largest power of t
    new rank ``k``; the even ones sit out. Positions ``>= 2r`` become new rank
    ``i - r``. Now exactly ``p2`` ranks hold partial sums that together cover all.
 2. Split the tensor into ``p2`` near-equal blocks (any length works).
-3. Recursive halving (reduce-scatter), ``log2 p2`` steps, distance ``d = p2/2,
-   p2/4, ..., 1``: exchange with new rank ``k xor d``; the rank with bit ``d``
-   clear keeps the lower half of its current block range and sends the upper
-   half, the other the reverse; both send and receive at once and ``add_`` the
-   received half into the kept half. New rank ``k`` ends owning block ``k``.
+3. Recursive halving (reduce-scatter), ``log2 p2`` steps, distance ``d = 1, 2,
+   ..., p2/2`` (nearest partner first, so the largest messages stay inside a
+   node when ranks are numbered node by node): exchange with new rank ``k xor d``;
+   the rank with bit ``d`` clear keeps the lower half of its current block range
+   and sends the upper half, the other the reverse; both send and receive at once
+   and ``add_`` the received half into the kept half. Each rank ends owning one
+   block (block index = ``k`` bit-reversed).
 4. The owner rounds its block through the wire format (lossy compression only).
-5. Recursive doubling (all-gather), ``d = 1, 2, ..., p2/2``: exchange the range
-   held with partner ``k xor d``, receiving straight into the tensor; the held
-   range doubles each step.
+5. Recursive doubling (all-gather), the same partners in reverse order
+   (``d = p2/2, ..., 1``): exchange the range held with partner ``k xor d``,
+   receiving straight into the tensor; the held range doubles each step.
 6. Unfold: each odd position ``2k+1 < 2r`` sends the result to ``2k``.
 
 Cost: ``2 log2(p2) alpha + 2(p2-1)/p2 n beta``, plus ``2 alpha + 2 n beta`` for the
@@ -71,8 +73,8 @@ def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist
         off = bounds(n, p2)                                           # 2. blocks
         lo, hi = 0, p2
         history: list[tuple[int, int]] = []
-        d = p2 // 2
-        while d >= 1:                                                 # 3. recursive halving
+        d = 1
+        while d < p2:                                                 # 3. recursive halving
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if newrank & d else ((lo, mid), (mid, hi))
             send = flat[off[give[0]]:off[give[1]]]
@@ -82,10 +84,10 @@ def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist
             dst.add_(recv)
             history.append((lo, hi))
             lo, hi = keep
-            d //= 2
+            d *= 2
         codec.round_(flat[off[lo]:off[hi]])                           # 4. round the owned block
-        d = 1
-        while d < p2:                                                 # 5. recursive doubling
+        d = p2 // 2
+        while d >= 1:                                                 # 5. recursive doubling
             plo, phi = history.pop()
             other = (hi, phi) if lo == plo else (plo, lo)
             send = flat[off[lo]:off[hi]]
@@ -98,7 +100,7 @@ def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist
             else:
                 exchange(send, peer, dst, peer, group)
             lo, hi = plo, phi
-            d *= 2
+            d //= 2
 
     # 6. unfold
     if i < 2 * r:
