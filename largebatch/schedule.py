@@ -11,12 +11,19 @@ step number to continue the same schedule, batch phase and data position.
 3. Decay after warm-up as a function of the epoch (a float: step / steps_per_epoch):
    step (x gamma at each milestone), poly (to end_lr with `power`, 2 for LARS),
    cosine (to end_lr), or constant.
+4. Collapsed Ensemble (Codreanu et al., optional `ensemble` section): the base schedule is the
+   first segment; K cycles follow, each a re-warm-up (linear to cycle_lr_factor x the last
+   peak lr) then poly-2 decay to zero at the cycle's end. The last `collapse_epochs` of every
+   segment are its collapse: lr poly-2 from its value at the collapse start to zero, weight
+   decay x collapse_wd_factor, augmentation off; a snapshot is taken at each segment's end
+   (the base run's end is snapshot 1). See largebatch/ensemble.py.
 Momentum correction when the lr changes is the optimizer's business (see optim/lars.py;
 torch's SGD applies lr after momentum, which is the corrected form).
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -83,6 +90,17 @@ class Phase:
         return round((self.end_epoch - self.start_epoch) * self.steps_per_epoch)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Collapsed Ensemble: the base run or one cycle, ending in a collapse and a snapshot."""
+    kind: str                 # "base" or "cycle"
+    start_step: int
+    collapse_step: int        # first step of the collapse
+    end_step: int             # exclusive; the snapshot is taken after step end_step - 1
+    rewarm_steps: int         # cycles: linear re-warm-up steps
+    peak_lr: float
+
+
 def split_batch(global_batch: int, world_size: int, micro_batch: int | None = None,
                 accumulation: int | None = None, where: str = "batch.global_batch") -> tuple[int, int]:
     """(micro_batch, accumulation) with micro_batch x world_size x accumulation == global_batch."""
@@ -108,12 +126,15 @@ def split_batch(global_batch: int, world_size: int, micro_batch: int | None = No
 class Plan:
     """The resolved schedule of a run: phases, steps and lr per step. Pure and cheap."""
 
-    def __init__(self, batch_cfg, optim_cfg, schedule_cfg, *, world_size: int, train_size: int):
+    def __init__(self, batch_cfg, optim_cfg, schedule_cfg, *, world_size: int, train_size: int,
+                 ensemble_cfg=None):
         self.schedule = schedule_cfg
         self.optim = optim_cfg
         self.world_size = world_size
         self.train_size = train_size
-        self.epochs = schedule_cfg.epochs
+        self.base_epochs = schedule_cfg.epochs
+        self.ensemble = ensemble_cfg if ensemble_cfg is not None and ensemble_cfg.cycles > 0 else None
+        self.epochs = self.base_epochs + (self.ensemble.cycles * self.ensemble.cycle_epochs if self.ensemble else 0)
         self.start_lr = optim_cfg.lr if schedule_cfg.warmup_start_lr is None else schedule_cfg.warmup_start_lr
         raw = batch_cfg.phases or [{"start_epoch": 0, "global_batch": batch_cfg.global_batch}]
         raw = sorted(raw, key=lambda p: p["start_epoch"])
@@ -151,6 +172,71 @@ class Plan:
         self.total_steps = step
         if self.total_steps <= 0:
             raise UserError("the schedule has no training steps; train for more epochs or use a smaller batch.")
+        self.segments: list[Segment] = self._segments() if self.ensemble else []
+
+    # ------------------------------------------------------------------ Collapsed Ensemble (step 4)
+    def step_at_epoch(self, epoch: float) -> int:
+        """The first global step at (fractional) `epoch`."""
+        phase = self.phases[max(bisect.bisect_right([p.start_epoch for p in self.phases], epoch) - 1, 0)]
+        return phase.start_step + round((epoch - phase.start_epoch) * phase.steps_per_epoch)
+
+    def _segments(self) -> list["Segment"]:
+        e = self.ensemble
+        s = self.schedule
+        if e.cycles < 0 or e.collapse_epochs <= 0 or e.rewarm_epochs < 0 or e.cycle_lr_factor <= 0 \
+                or e.collapse_wd_factor < 0:
+            raise UserError("ensemble needs cycles >= 0, collapse_epochs > 0, rewarm_epochs >= 0, "
+                            "cycle_lr_factor > 0 and collapse_wd_factor >= 0; fix the ensemble section.")
+        if e.collapse_epochs > s.epochs - s.warmup_epochs:
+            raise UserError(f"ensemble.collapse_epochs ({e.collapse_epochs}) is longer than the base schedule after "
+                            f"warm-up ({s.epochs - s.warmup_epochs} epochs); shorten the collapse or train longer.")
+        if e.cycle_epochs <= e.rewarm_epochs + e.collapse_epochs:
+            raise UserError(f"ensemble.cycle_epochs ({e.cycle_epochs}) must be longer than rewarm_epochs + "
+                            f"collapse_epochs ({e.rewarm_epochs + e.collapse_epochs}); lengthen the cycle.")
+        peak = self.phases[-1].peak_lr * e.cycle_lr_factor
+        bounds = [self.base_epochs + k * e.cycle_epochs for k in range(e.cycles + 1)]
+        segs = [Segment("base", 0, self.step_at_epoch(bounds[0] - e.collapse_epochs), self.step_at_epoch(bounds[0]),
+                        0, self.phases[-1].peak_lr)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            start = self.step_at_epoch(a)
+            segs.append(Segment("cycle", start, self.step_at_epoch(b - e.collapse_epochs), self.step_at_epoch(b),
+                                self.step_at_epoch(a + e.rewarm_epochs) - start, peak))
+        segs[-1] = dataclasses.replace(segs[-1], end_step=self.total_steps)
+        for seg in segs:
+            if not seg.start_step <= seg.collapse_step < seg.end_step or seg.collapse_step - seg.start_step <= seg.rewarm_steps:
+                raise UserError(f"the ensemble {seg.kind} segment at step {seg.start_step} has no room for its "
+                                "re-warm-up, decay and collapse at this batch size; use longer cycles or a smaller batch.")
+        return segs
+
+    def segment_at(self, step: int) -> "Segment":
+        i = bisect.bisect_right([g.start_step for g in self.segments], step) - 1
+        return self.segments[max(i, 0)]
+
+    def in_collapse(self, step: int) -> bool:
+        """Whether `step` belongs to a collapse (augmentation off, weight decay multiplied)."""
+        if not self.segments:
+            return False
+        seg = self.segment_at(step)
+        return seg.collapse_step <= step < seg.end_step
+
+    def weight_decay_factor(self, step: int) -> float:
+        return self.ensemble.collapse_wd_factor if self.in_collapse(step) else 1.0
+
+    def snapshot_steps(self) -> list[int]:
+        """Steps (counted after the step) at which a collapsed snapshot is saved."""
+        return [g.end_step for g in self.segments]
+
+    def _segment_lr(self, seg: "Segment", step: int) -> float:
+        if seg.kind == "base":
+            s = self.schedule
+            return lr_at_epoch(self.epoch_float(step), peak_lr=self.phase_at(step).peak_lr, start_lr=self.start_lr,
+                               warmup_epochs=s.warmup_epochs, epochs=s.epochs, decay=s.decay,
+                               milestones=tuple(s.milestones), gamma=s.gamma, power=s.power, end_lr=s.end_lr)
+        k = step - seg.start_step
+        if k < seg.rewarm_steps:                      # re-warm-up, never a zero-lr step
+            return seg.peak_lr * (k + 1) / seg.rewarm_steps
+        t = (k - seg.rewarm_steps) / (seg.end_step - seg.start_step - seg.rewarm_steps)
+        return seg.peak_lr * (1.0 - t) ** 2          # poly-2 to zero at the cycle's end
 
     def phase_at(self, step: int) -> Phase:
         i = bisect.bisect_right([p.start_step for p in self.phases], step) - 1
@@ -167,6 +253,12 @@ class Plan:
         return phase.start_epoch + (step - phase.start_step) / phase.steps_per_epoch
 
     def lr(self, step: int) -> float:
+        if self.segments:
+            seg = self.segment_at(step)
+            if step < seg.collapse_step:
+                return self._segment_lr(seg, step)
+            u = (step - seg.collapse_step) / (seg.end_step - seg.collapse_step)
+            return self._segment_lr(seg, seg.collapse_step) * (1.0 - u) ** 2   # collapse: poly-2 to zero
         s = self.schedule
         phase = self.phase_at(step)
         return lr_at_epoch(self.epoch_float(step), peak_lr=phase.peak_lr, start_lr=self.start_lr,
@@ -198,4 +290,11 @@ class Plan:
                 "accumulation": p.accumulation, "peak_lr": p.peak_lr,
                 "steps_per_epoch": p.steps_per_epoch, "steps": p.steps, "start_step": p.start_step,
             } for p in self.phases],
+            "ensemble": [{
+                "kind": g.kind, "start_step": g.start_step, "collapse_step": g.collapse_step, "end_step": g.end_step,
+                "start_epoch": round(self.epoch_float(g.start_step), 4),
+                "collapse_epoch": round(self.epoch_float(g.collapse_step), 4),
+                "end_epoch": round(self.epoch_float(g.end_step), 4) if g.end_step < self.total_steps else self.epochs,
+                "peak_lr": g.peak_lr, "rewarm_steps": g.rewarm_steps,
+            } for g in self.segments],
         }
