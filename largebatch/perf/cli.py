@@ -47,7 +47,9 @@ def _parser() -> ArgumentParser:
     a("--out", default="runs/plan", help="where --sweep writes its PNGs")
     a("--validate", action="store_true", help="the model against published runs")
     a("--refit", action="store_true", help="with --validate: re-derive the fitted V100 b_half")
-    a("--calibrate", action="store_true", help="measure this machine into the user catalog")
+    a("--calibrate", action="store_true",
+      help="measure this machine into the user catalog, for the model given by --model/--stem/--width/"
+           "--in-channels/--image-size/--num-classes/--precision (pass those of your training run)")
     a("--catalog-out", default=None, help="with --calibrate: the file to write")
     a("--nproc", type=int, default=2, help="with --calibrate: worker processes")
     a("--list", action="store_true", help="list devices, links and algorithms")
@@ -133,7 +135,7 @@ def _sweep(args) -> int:
                       f"{p.images_per_s:,.0f}", f"{100 * p.scaling_efficiency:.1f}%",
                       f"{100 * p.scaling_efficiency_node:.1f}%", _hms(p.time_to_train_s),
                       "-" if p.cost_usd is None else f"{p.cost_usd:,.0f}")
-    Console().print(t)
+    Console(width=max(120, Console().width)).print(t)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import matplotlib
