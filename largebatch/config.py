@@ -58,6 +58,8 @@ class DataConfig:
     on_corrupt: str = _choices("skip", "fail", doc="a corrupt or truncated JPEG is skipped and listed, or fails the run")
     num_classes: int = _doc(10, "classes of the synthetic source")
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
+    train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
+    subset: Optional[int] = _doc(None, "train on a fixed random subset of this many training images (null = all)")
 
 
 @dataclass

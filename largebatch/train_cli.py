@@ -55,7 +55,8 @@ def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
     from largebatch.schedule import Plan
 
     train_size = _train_size(cfg)
-    plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size)
+    plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size,
+                ensemble_cfg=cfg.ensemble)
     d = plan.describe()
     first = d["phases"][0]
     return {
@@ -68,13 +69,14 @@ def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
         "weight_decay": cfg.optim.weight_decay, "no_decay_bn_bias": cfg.optim.no_decay_bn_bias,
         "decay": cfg.schedule.decay, "label_smoothing": cfg.train.label_smoothing,
         "precision": cfg.train.precision, "train_size": train_size, "phases": d["phases"],
+        "ensemble": d["ensemble"],
     }
 
 
 def _train_size(cfg: config_mod.Config) -> int:
     known = getattr(cfg.data, "train_size", None)
     if known:
-        return known
+        return min(known, cfg.data.subset or known)
     from largebatch.data import build_data
 
     train, _, _ = build_data(cfg.data, cfg.train.seed)
@@ -87,7 +89,7 @@ def print_plan(plan: dict) -> None:
 
     table = Table(title=f"largebatch plan: {plan['recipe']}", show_header=False)
     for key, value in plan.items():
-        if key != "phases":
+        if key not in ("phases", "ensemble"):
             table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     Console().print(table)
     if len(plan["phases"]) > 1:
@@ -99,6 +101,15 @@ def print_plan(plan: dict) -> None:
         for ph in plan["phases"]:
             phases.add_row(*[f"{ph[c]:.6g}" if isinstance(ph[c], float) else str(ph[c]) for c in cols])
         Console().print(phases)
+    if plan.get("ensemble"):
+        segs = Table(title="Collapsed Ensemble segments (each ends in a collapse and a snapshot)")
+        cols = ["kind", "start_epoch", "collapse_epoch", "end_epoch", "start_step", "collapse_step", "end_step",
+                "peak_lr"]
+        for c in cols:
+            segs.add_column(c)
+        for g in plan["ensemble"]:
+            segs.add_row(*[f"{g[c]:.6g}" if isinstance(g[c], float) else str(g[c]) for c in cols])
+        Console().print(segs)
 
 
 def launch(args, argv: list[str]) -> int:
@@ -140,6 +151,12 @@ def launch(args, argv: list[str]) -> int:
     except SystemExit as exc:   # torchrun exits through sys.exit on success
         code = exc.code or 0
     except Exception as exc:    # ChildFailedError: the workers' own messages are already printed
+        if type(exc).__name__ == "SignalException":   # the agent was signalled; workers stopped gracefully
+            signum = int(getattr(exc, "sigval", 15))
+            print(f"largebatch: stopped by signal {signum}; resume with: largebatch train {args.recipe} "
+                  f"--nproc-per-node {args.nproc_per_node} --run-dir {run_dir} --resume (and the same --set "
+                  "options)", file=sys.stderr, flush=True)
+            return 128 + signum
         if type(exc).__name__ == "ChildFailedError":
             failures = getattr(exc, "failures", {})
             codes = [f.exitcode for f in failures.values()] if failures else [1]
@@ -183,7 +200,7 @@ def main(argv: list[str]) -> int:
 
     resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     run_dir = args.run_dir
-    if resume and run_dir is None:
+    if args.resume and run_dir is None:   # an elastic restart finds its run dir in the store (reliability.py)
         run_dir = _latest_run(cfg.recipe)
         if run_dir is None:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
@@ -196,4 +213,6 @@ def main(argv: list[str]) -> int:
         dist_mod.shutdown()
     if not under_torchrun and not summary.get("stopped"):
         _announce(trainer.run_dir)
-    return 0
+    if summary.get("stopped") and not under_torchrun:
+        return 128 + (summary.get("signal") or 15)   # 143 after SIGTERM, 130 after Ctrl-C
+    return 0   # under torchrun a graceful stop exits 0, so the agent does not restart the group

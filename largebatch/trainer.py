@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from largebatch import checkpoint, dist as dist_mod, metrics as metrics_mod
+from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
@@ -92,6 +92,11 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
+        # reliability (largebatch/reliability.py): control store, watchdog, stop agreement, fault knob
+        self.store = reliability.control_store(self.info.world_size, cfg.comm.timeout_s)
+        self.watchdog = reliability.Watchdog(self.store, self.info.rank, self.info.world_size, cfg.comm.timeout_s)
+        self.stop = reliability.StopAgreement(self.info.distributed, self.device)
+        self.faults = reliability.FaultInjector(self.info.rank)
 
         # 2. run directory (rank 0 decides, everyone agrees)
         self.run_dir = self._agree_run_dir(run_dir)
@@ -99,10 +104,12 @@ class Trainer:
 
         # 3. data
         self.train_data, self.test_data, self.data_info = build_data(cfg.data, t.seed)
+        reliability.preflight(self.info, config_hash=cfg.hash(), train_size=len(self.train_data),
+                              test_size=len(self.test_data))
 
         # 4. the step plan: phases, accumulation, lr per step
         self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
-                         train_size=len(self.train_data))
+                         train_size=len(self.train_data), ensemble_cfg=cfg.ensemble)
         self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
 
         # 5. model
@@ -135,6 +142,9 @@ class Trainer:
 
         # 7. optimizer (lr set per step from the plan)
         self.optimizer = build_optimizer(cfg.optim, model, lr=self.plan.lr(0))
+        # Collapsed Ensemble: weight decay x factor in collapses (from these base values), snapshot steps.
+        self.base_weight_decay = [g["weight_decay"] for g in self.optimizer.param_groups]
+        self.snapshot_steps = set(self.plan.snapshot_steps())
         self.criterion_smoothing = t.label_smoothing
 
         # 8. precision
@@ -165,7 +175,10 @@ class Trainer:
             if not run_dir:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 name = Path(self.cfg.recipe).stem
-                path = [str(Path("runs") / f"{name}-{stamp}")]
+                # an elastic restart under plain torchrun finds the directory its first attempt chose
+                remembered = reliability.remembered_run_dir(self.store)
+                path = [str(remembered or Path("runs") / f"{name}-{stamp}")]
+            reliability.remember_run_dir(self.store, Path(path[0]))
             p = Path(path[0])
             p.mkdir(parents=True, exist_ok=True)
             os.chmod(p, 0o755)   # never world-writable
@@ -193,13 +206,17 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
-        self._sync_buffers()   # every rank must hold the same BN statistics when they are written
-        if self.main:
-            epoch = self.plan.epoch_float(self.step)
-            checkpoint.save(self.state_dict(), self.ckpt_dir, self.step, keep=self.cfg.train.keep_checkpoints,
-                            meta={"epoch": epoch, "config_hash": self.cfg.hash()})
-        if self.info.distributed:
-            dist.barrier()
+        if getattr(self, "_saved_step", None) == self.step:   # already written (e.g. a stop at an epoch end)
+            return
+        with self.watchdog.guard(self.step, "checkpoint (BN sync + barrier)"):
+            self._sync_buffers()   # every rank must hold the same BN statistics when they are written
+            if self.main:
+                epoch = self.plan.epoch_float(self.step)
+                checkpoint.save(self.state_dict(), self.ckpt_dir, self.step, keep=self.cfg.train.keep_checkpoints,
+                                meta={"epoch": epoch, "config_hash": self.cfg.hash()})
+            if self.info.distributed:
+                dist.barrier()
+        self._saved_step = self.step
 
     def _restore(self) -> None:
         found = checkpoint.latest(self.ckpt_dir, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))
@@ -263,18 +280,7 @@ class Trainer:
             yield from idx.split(phase.micro_batch)
 
     def _install_signal_handlers(self) -> None:
-        def handler(signum, frame):
-            self.stop_signal = signum
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError):   # not in the main thread
-                signal.signal(sig, handler)
-
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (one tiny collective; called on logging steps)."""
-        flag = torch.tensor([1.0 if self.stop_signal else 0.0])
-        if self.info.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.stop.install()   # SIGTERM / SIGINT set a flag; ranks agree on it every step (reliability.py)
 
     # ------------------------------------------------------------------ training
     def _train_step(self, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float) -> torch.Tensor:
@@ -292,6 +298,8 @@ class Trainer:
                     logits = self.forward(x)
                 loss = F.cross_entropy(logits.float(), y, reduction="sum",
                                        label_smoothing=self.criterion_smoothing) / phase.per_worker_batch
+                if self.faults.poison(self.step):   # LARGEBATCH_FAULTS=nan@RANK:STEP (debugging knob)
+                    loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)   # LARS and all norms see unscaled fp32 gradients
@@ -332,21 +340,33 @@ class Trainer:
                 phase = self.plan.phase_at(self.step)
                 epoch, in_epoch = self.plan.position(self.step)
                 steps_left_in_epoch = phase.steps_per_epoch - in_epoch
-                batches = self.train_data.batches(self._micro_batches(epoch, in_epoch, phase), train=True, epoch=epoch)
+                collapse = self.plan.in_collapse(self.step)   # Collapsed Ensemble: augmentation off
+                batches = self.train_data.batches(self._micro_batches(epoch, in_epoch, phase), train=not collapse,
+                                                  epoch=epoch)
                 batches = iter(batches)
                 self.model.train()
                 for _ in range(steps_left_in_epoch):
-                    if self.step >= self.total_steps or self.step >= phase.start_step + phase.steps:
+                    if self.step >= self.total_steps or self.step >= phase.start_step + phase.steps \
+                            or self.plan.in_collapse(self.step) != collapse:
                         break
                     t0 = time.perf_counter()
                     micros = [next(batches) for _ in range(phase.accumulation)]
                     t1 = time.perf_counter()
                     data_wait += t1 - t0
                     lr = self.plan.lr(self.step)
-                    loss_acc += self._train_step(micros, phase, lr)
+                    if self.plan.segments:
+                        ensemble.set_weight_decay(self.optimizer, self.base_weight_decay,
+                                                  self.plan.weight_decay_factor(self.step))
+                    self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
+                    with self.watchdog.guard(self.step, "training step (stop flag + gradient all-reduce)"):
+                        self.stop.start()                 # async flag all-reduce, overlaps the step
+                        loss_acc += self._train_step(micros, phase, lr)
+                        stop_now = self.stop.agreed()
                     self.train_time += time.perf_counter() - t0
                     self.images_seen += phase.global_batch
                     self.step += 1
+                    if self.step in self.snapshot_steps:
+                        self._save_snapshot()
                     at_epoch_end = self.step in epoch_ends or self.step == self.total_steps
                     if self.step % t.log_every == 0 or at_epoch_end:
                         # Logging step: the only host syncs besides the per-step finiteness flag.
@@ -366,12 +386,12 @@ class Trainer:
                         loss_acc.zero_()
                         data_wait = 0.0
                         last_log_t, last_log_images, last_log_step = now, self.images_seen, self.step
-                        if self._stop_agreed():
-                            stopped = True
-                            break
                     if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0 \
                             and not at_epoch_end:
                         self.save_checkpoint()
+                    if stop_now:   # every rank agreed on this step boundary (reliability.StopAgreement)
+                        stopped = True
+                        break
                 if stopped:
                     break
                 epoch_done = self.step in epoch_ends or self.step == self.total_steps
@@ -385,10 +405,12 @@ class Trainer:
         if stopped:
             self.save_checkpoint()
             if self.main:
+                workers = f" --nproc-per-node {self.info.world_size}" if self.info.distributed else ""
                 print(f"largebatch: stopped by signal at step {self.step}; checkpoint written. Resume with: "
-                      f"largebatch train {self.cfg.recipe} --run-dir {self.run_dir} --resume", file=sys.stderr)
+                      f"largebatch train {self.cfg.recipe}{workers} --run-dir {self.run_dir} --resume "
+                      "(and the same --set options)", file=sys.stderr, flush=True)
             self.metrics.close()
-            return {"stopped": True, "step": self.step}
+            return {"stopped": True, "step": self.step, "signal": self.stop.signum}
         return self._finish()
 
     # ------------------------------------------------------------------ evaluation
@@ -409,11 +431,44 @@ class Trainer:
         self.last_eval = result
         return result
 
+    def _save_snapshot(self) -> None:
+        """Collapsed Ensemble: keep the collapsed weights (BN statistics averaged over ranks first)."""
+        self._sync_buffers()
+        if self.main:
+            ensemble.save_snapshot(self.model, self.run_dir, self.step, self.plan.epoch_float(self.step))
+        if self.info.distributed:
+            dist.barrier()
+
+    def _ensemble_eval(self) -> dict:
+        """Every snapshot, their softmax-average ensemble (and SWA): a metrics record and summary keys."""
+        states, metas = ensemble.load_states(self.run_dir)
+        swa_batches = None
+        if self.cfg.ensemble.swa:
+            swa_batches = ensemble.bn_batches(len(self.train_data), self.info.rank, self.info.world_size,
+                                              self.plan.phases[-1].micro_batch, self.cfg.train.seed)
+        result = ensemble.evaluate_snapshots(
+            self.model, states, self.test_data, self.info.rank, self.info.world_size, self.device,
+            precision=self.cfg.train.precision, channels_last=self.channels_last,
+            batch=max(256, self.plan.phases[-1].micro_batch),
+            swa_source=self.train_data if self.cfg.ensemble.swa else None, swa_batches=swa_batches)
+        rec = ensemble.report(result, metas)
+        self.metrics.write({"kind": "ensemble", "step": self.step, **rec})
+        if self.main and not self.quiet:
+            self.display.message(f"ensemble of {len(states)} snapshots: top-1 {rec['ensemble_top1']:.4f} "
+                                 f"(best snapshot {rec['best_snapshot_top1']:.4f})")
+        return rec
+
     def _finish(self) -> dict:
         if not hasattr(self, "last_eval"):
             self._log_eval()
+        ensemble_rec = self._ensemble_eval() if self.plan.segments else {}
         wall = self.wall_before + self._session_wall()
         corrupt = list(getattr(self.train_data, "corrupt", [])) + list(getattr(self.test_data, "corrupt", []))
+        if self.info.distributed:   # every rank skipped its own share of the corrupt files
+            with self.watchdog.guard(self.step, "gather corrupt-image lists"):
+                lists = [None] * self.info.world_size
+                dist.all_gather_object(lists, corrupt)
+            corrupt = [path for part in lists for path in part]
         summary = {
             "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
             "final_top1": self.last_eval["top1"], "final_top5": self.last_eval["top5"],
@@ -424,6 +479,7 @@ class Trainer:
             "world_size": self.info.world_size, "global_batch": self.plan.phase_at(self.step - 1).global_batch,
             "nonfinite_steps": self.nonfinite_total, "corrupt_images": len(corrupt),
             "precision": self.cfg.train.precision, "threads_per_worker": self.threads,
+            **ensemble_rec,
         }
         if self.main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -97,8 +97,38 @@ def _build_synthetic(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
                                     len(train), len(test), "synthetic")
 
 
+class SubsetSource:
+    """A fixed random subset of a source (data.subset): index i maps to `keep[i]` of the full source."""
+
+    def __init__(self, source: Source, size: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(int(seed) + 7919)
+        self.source = source
+        self.keep = torch.randperm(len(source), generator=gen, dtype=torch.int64)[:size].sort().values
+        self.corrupt = source.corrupt
+
+    def __len__(self) -> int:
+        return self.keep.numel()
+
+    def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        mapped = (self.keep[torch.as_tensor(i, dtype=torch.int64)] for i in index_batches)
+        return self.source.batches(mapped, train=train, epoch=epoch)
+
+
 def build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
-    """(train, test, info) for the `data` section of the config."""
+    """(train, test, info) for the `data` section of the config (data.subset wraps the training source)."""
+    subset = getattr(cfg, "subset", None)
+    train, test, info = _build_data(cfg, seed)
+    if subset is not None:
+        if not 0 < subset <= len(train):
+            raise UserError(f"data.subset is {subset}; give a number of images in 1..{len(train)} or null.")
+        train = SubsetSource(train, subset, 0)   # the same images whatever train.seed
+        info = DatasetInfo(info.num_classes, info.in_channels, info.image_size, info.mean, info.std, len(train),
+                           info.test_size, info.name)
+    return train, test, info
+
+
+def _build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
     if cfg.crop_padding < 0:
         raise UserError(f"data.crop_padding is {cfg.crop_padding}; it must be zero or more.")
     if cfg.loader_workers < 0:

@@ -1,0 +1,205 @@
+"""The Collapsed Ensemble (Codreanu, Podareanu, Saletore, "Scale out for large minibatch SGD",
+arXiv 1711.04291): snapshots of collapsed models, averaged at test time.
+
+The schedule half (segments, collapse windows, lr per step) is in `largebatch.schedule.Plan`;
+this module holds what happens to the weights:
+
+1. Train the base schedule; its last `collapse_epochs` are a collapse (augmentation off,
+   weight decay x `collapse_wd_factor`, lr poly-2 to zero). Save snapshot 1 at its end.
+2. K cycles: re-warm-up to `cycle_lr_factor` x the peak lr, poly-2 decay, collapse, snapshot.
+   All snapshots are kept in RUN_DIR/snapshots (checkpoint.save: atomic, checksummed).
+3. Evaluation, distributed like training (each rank its contiguous shard of the test set,
+   every image exactly once): for every snapshot, the softmax of its logits on the rank's
+   shard; per-snapshot top-1/top-5/NLL, and the ensemble's from the running average of the
+   softmax outputs, p_ens = (1/K) sum_k softmax(f_k(x)). One all-reduce of all counts.
+4. Optionally (ensemble.swa), the weight average of the snapshots (SWA-style, Izmailov et al.)
+   with BN statistics recomputed by forward passes over training batches in train mode
+   (cumulative average, then averaged over ranks), evaluated beside the output ensemble.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from largebatch import checkpoint
+from largebatch.errors import UserError
+
+SNAPSHOT_DIR = "snapshots"
+
+
+# ---------------------------------------------------------------------------- 1.-2. snapshots
+def save_snapshot(model: nn.Module, run_dir: Path, step: int, epoch: float) -> Path:
+    """Write the (already rank-synchronised) weights of a collapsed model; all snapshots are kept."""
+    return checkpoint.save({"model": model.state_dict(), "step": step}, Path(run_dir) / SNAPSHOT_DIR, step,
+                           keep=None, meta={"epoch": epoch, "kind": "snapshot"})
+
+
+def list_snapshots(run_dir: Path) -> list[tuple[Path, dict]]:
+    """Intact snapshots of a run, oldest first (a corrupt one is left out)."""
+    return sorted(checkpoint.all_intact(Path(run_dir) / SNAPSHOT_DIR), key=lambda pm: pm[1]["step"])
+
+
+def set_weight_decay(optimizer: torch.optim.Optimizer, base: list[float], factor: float) -> None:
+    """Collapse: every group's weight decay is its base value times `factor` (groups with 0 stay 0)."""
+    for group, wd in zip(optimizer.param_groups, base):
+        group["weight_decay"] = wd * factor
+
+
+# ---------------------------------------------------------------------------- 3. evaluation
+@torch.no_grad()
+def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: torch.device, *,
+                precision: str = "fp32", channels_last: bool = False, batch: int = 512
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard."""
+    from largebatch.data.sampler import eval_shard
+    from largebatch.trainer import autocast
+
+    model.eval()
+    idx = eval_shard(len(source), rank, world_size)
+    probs, labels = [], []
+    for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
+        x = x.to(device, non_blocking=True)
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with autocast(device, precision):
+            logits = model(x)
+        probs.append(logits.float().softmax(1))
+        labels.append(y.to(device))
+    if not probs:
+        return torch.zeros(0, 0, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.cat(probs), torch.cat(labels)
+
+
+def counts(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[top-1 correct, top-5 correct, NLL sum, count] of class probabilities (float64, same device)."""
+    if labels.numel() == 0:
+        return torch.zeros(4, dtype=torch.float64, device=labels.device)
+    top5 = probs.topk(min(5, probs.shape[1]), dim=1).indices
+    hit = top5 == labels[:, None]
+    nll = F.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum")
+    return torch.stack([hit[:, 0].sum().double(), hit.any(1).sum().double(), nll.double(),
+                        torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device)])
+
+
+def _as_metrics(c: list[float]) -> dict:
+    n = max(c[3], 1.0)
+    return {"top1": c[0] / n, "top5": c[1] / n, "loss": c[2] / n, "count": int(c[3])}
+
+
+@torch.no_grad()
+def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: int, world_size: int,
+                       device: torch.device, *, precision: str = "fp32", channels_last: bool = False,
+                       batch: int = 512, swa_source=None, swa_batches: list | None = None) -> dict:
+    """Step 3 (and 4 with `swa_source`): every snapshot, their softmax-average ensemble and
+    optionally the BN-recomputed weight average. All ranks call it; results are global.
+
+    `states` are model state dicts; `model` is a module of the same architecture (not modified).
+    """
+    if not states:
+        raise UserError("the run has no snapshots to ensemble; train with ensemble.cycles > 0 "
+                        "(snapshots are saved in RUN_DIR/snapshots).")
+    work = copy.deepcopy(model)
+    rows, total, labels = [], None, None
+    for state in states:
+        work.load_state_dict(state)
+        probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
+                                    channels_last=channels_last, batch=batch)
+        rows.append(counts(probs, labels))
+        total = probs if total is None else total.add_(probs)
+    rows.append(counts(total / len(states), labels))
+    if swa_source is not None:
+        work.load_state_dict(average_states(states))
+        recompute_bn(work, swa_source, swa_batches or [], device, channels_last=channels_last, precision=precision,
+                     world_size=world_size)
+        probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
+                                    channels_last=channels_last, batch=batch)
+        rows.append(counts(probs, labels))
+    table = torch.stack(rows)
+    if world_size > 1:
+        dist.all_reduce(table)   # one collective for every count of every member
+    table = table.cpu().tolist()   # host sync, once
+    out = {"snapshots": [_as_metrics(r) for r in table[:len(states)]], "ensemble": _as_metrics(table[len(states)])}
+    out["swa"] = _as_metrics(table[len(states) + 1]) if swa_source is not None else None
+    return out
+
+
+# ---------------------------------------------------------------------------- 4. weight average
+def average_states(states: list[dict]) -> dict:
+    """Element-wise mean of the floating-point entries; integer buffers from the last state."""
+    out = {}
+    for key, value in states[-1].items():
+        if value.is_floating_point():
+            out[key] = torch.stack([s[key].float() for s in states]).mean(0).to(value.dtype)
+        else:
+            out[key] = value.clone()
+    return out
+
+
+@torch.no_grad()
+def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.device, *, channels_last: bool,
+                 precision: str, world_size: int) -> None:
+    """BN running statistics of `model` from scratch: cumulative average over the given training
+    batches in train mode, then the mean over ranks (all ranks must call it)."""
+    from largebatch.trainer import autocast
+
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return
+    momenta = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None            # cumulative moving average over the batches
+    model.train()
+    for x, _ in source.batches(index_batches, train=True, epoch=0):
+        x = x.to(device, non_blocking=True)
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with autocast(device, precision):
+            model(x)
+    for m, momentum in zip(bns, momenta):
+        m.momentum = momentum
+    if world_size > 1:
+        bufs = [b for m in bns for b in (m.running_mean, m.running_var)]
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.all_reduce(flat)
+        flat /= world_size
+        offset = 0
+        for b in bufs:
+            b.copy_(flat[offset: offset + b.numel()].view_as(b))
+            offset += b.numel()
+    model.eval()
+
+
+def bn_batches(train_size: int, rank: int, world_size: int, micro_batch: int, seed: int,
+               max_images: int = 16384) -> list[torch.Tensor]:
+    """This rank's share of up to `max_images` training images (epoch 0's order) in micro-batches."""
+    from largebatch.data.sampler import epoch_permutation
+
+    perm = epoch_permutation(train_size, 0, seed)[:min(train_size, max_images)]
+    per_rank = perm.numel() // world_size
+    mine = perm[rank * per_rank:(rank + 1) * per_rank]
+    return list(mine.split(max(micro_batch, 1)))
+
+
+def load_states(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(model state dicts, metadata) of a run's intact snapshots, oldest first."""
+    found = list_snapshots(run_dir)
+    return [checkpoint.load(p)["model"] for p, _ in found], [m for _, m in found]
+
+
+def report(result: dict, metas: list[dict]) -> dict:
+    """The JSON-friendly record: one row per snapshot (step, epoch, top-1, top-5, loss) and the ensemble."""
+    snaps = [{"step": m["step"], "epoch": m.get("epoch"), **r} for m, r in zip(metas, result["snapshots"])]
+    best = max(s["top1"] for s in snaps)
+    rec = {"snapshots": snaps, "ensemble_top1": result["ensemble"]["top1"], "ensemble_top5": result["ensemble"]["top5"],
+           "ensemble_loss": result["ensemble"]["loss"], "best_snapshot_top1": best,
+           "ensemble_gain": result["ensemble"]["top1"] - best}
+    if result.get("swa"):
+        rec.update({"swa_top1": result["swa"]["top1"], "swa_top5": result["swa"]["top5"],
+                    "swa_loss": result["swa"]["loss"]})
+    return rec
