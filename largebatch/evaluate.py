@@ -1,0 +1,158 @@
+"""`largebatch evaluate RUN_DIR [--ensemble] [--swa] [--checkpoint PATH] [--nproc-per-node N]`
+
+Re-evaluates a finished run, distributed like training (each rank a contiguous shard of the
+test set, every image exactly once):
+
+1. Read RUN_DIR/config.yaml (the resolved config of the run) and build its data and model.
+2. Without --ensemble: load the newest intact checkpoint (or --checkpoint) and report top-1/top-5/loss.
+3. With --ensemble: load every snapshot in RUN_DIR/snapshots, report each one and the average of
+   their softmax outputs (largebatch.ensemble); --swa adds the BN-recomputed weight average.
+4. Rank 0 prints a table and one JSON line and writes RUN_DIR/evaluation.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from largebatch.cli import ArgumentParser
+from largebatch.errors import UserError
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="largebatch evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="run directory written by largebatch train")
+    p.add_argument("--ensemble", action="store_true", help="evaluate every snapshot and their softmax average")
+    p.add_argument("--swa", action="store_true", help="with --ensemble: also the weight average (BN recomputed)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="evaluate this checkpoint file instead of the newest")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="start N local workers through torchrun")
+    p.add_argument("--batch", type=int, default=512, help="evaluation images per forward pass per worker")
+    return p
+
+
+def _launch(args, argv: list[str]) -> int:
+    from largebatch.train_cli import _free_port
+    from torch.distributed.run import main as torchrun_main
+
+    if args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            rest.append(a)
+    launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--local-addr", "127.0.0.1",
+                "-m", "largebatch", "evaluate", *rest]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    try:
+        torchrun_main(launcher)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:   # ChildFailedError: the workers' messages are already printed
+        if type(exc).__name__ == "ChildFailedError":
+            return 1
+        raise
+    return 0
+
+
+def load_run_config(run_dir: Path):
+    """Step 1: the config a run was trained with."""
+    from largebatch import config as config_mod
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; give the run directory of a largebatch train run.")
+    data = yaml.safe_load(path.read_text()) or {}
+    return config_mod.from_dict(data, recipe=str(data.get("recipe", "custom")))
+
+
+def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path: Path | None = None,
+        batch: int = 512) -> dict:
+    """Steps 1-3 in the current (possibly torchrun) process; every rank returns the same result."""
+    import torch
+
+    from largebatch import checkpoint, dist as dist_mod, ensemble
+    from largebatch.data import build_data
+    from largebatch.trainer import build_classifier, evaluate, use_channels_last
+
+    cfg = load_run_config(run_dir)
+    device = dist_mod.pick_device(cfg.train.device)
+    info = dist_mod.init(device, cfg.comm.timeout_s)
+    dist_mod.set_threads(cfg.train.threads, info.local_world_size)
+    train, test, data_info = build_data(cfg.data, cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    model = build_classifier(cfg, data_info).to(device)
+    channels_last = use_channels_last(cfg.train.channels_last, device, cfg.train.precision)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    out: dict = {"run_dir": str(run_dir), "world_size": info.world_size}
+    if use_ensemble:
+        states, metas = ensemble.load_states(run_dir)
+        swa_batches = ensemble.bn_batches(len(train), info.rank, info.world_size, batch, cfg.train.seed) if swa else None
+        result = ensemble.evaluate_snapshots(model, states, test, info.rank, info.world_size, device,
+                                             precision=cfg.train.precision, channels_last=channels_last, batch=batch,
+                                             swa_source=train if swa else None, swa_batches=swa_batches)
+        out.update(ensemble.report(result, metas))
+    else:
+        if checkpoint_path is None:
+            found = checkpoint.latest(run_dir / "checkpoints")
+            if found is None:
+                raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'}; train the run first "
+                                "or give --checkpoint.")
+            checkpoint_path = found[0]
+        elif not checkpoint_path.is_file():
+            raise UserError(f"--checkpoint {checkpoint_path} does not exist; give a step-*.pt file.")
+        model.load_state_dict(checkpoint.load(checkpoint_path)["model"])
+        res = evaluate(model, test, info, device, precision=cfg.train.precision, channels_last=channels_last,
+                       flip=cfg.train.eval_flip, batch=batch)
+        out.update({"checkpoint": str(checkpoint_path), **res})
+    dist_mod.shutdown()
+    return out
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"largebatch evaluate {result['run_dir']}")
+    for col in ("model", "step", "epoch", "top-1", "top-5", "loss"):
+        table.add_column(col)
+    for s in result.get("snapshots", []):
+        table.add_row("snapshot", str(s["step"]), f"{s['epoch']:.4g}", f"{s['top1']:.4f}", f"{s['top5']:.4f}",
+                      f"{s['loss']:.4f}")
+    if "ensemble_top1" in result:
+        table.add_row("ensemble (softmax average)", "", "", f"{result['ensemble_top1']:.4f}",
+                      f"{result['ensemble_top5']:.4f}", f"{result['ensemble_loss']:.4f}")
+    if "swa_top1" in result:
+        table.add_row("weight average (BN recomputed)", "", "", f"{result['swa_top1']:.4f}",
+                      f"{result['swa_top5']:.4f}", f"{result['swa_loss']:.4f}")
+    if "top1" in result:
+        table.add_row(Path(result["checkpoint"]).name, "", "", f"{result['top1']:.4f}", f"{result['top5']:.4f}",
+                      f"{result['loss']:.4f}")
+    Console(stderr=True).print(table)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.swa and not args.ensemble:
+        raise UserError("--swa averages the snapshots' weights; give it together with --ensemble.")
+    if args.batch < 1:
+        raise UserError(f"--batch is {args.batch}; give 1 or more images.")
+    if not args.run_dir.is_dir():
+        raise UserError(f"run directory {args.run_dir} does not exist; give the --run-dir of a training run.")
+    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+        return _launch(args, argv)
+    result = run(args.run_dir, use_ensemble=args.ensemble, swa=args.swa, checkpoint_path=args.checkpoint,
+                 batch=args.batch)
+    if os.environ.get("RANK", "0") == "0":
+        _print(result)
+        (args.run_dir / "evaluation.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result), file=sys.stdout, flush=True)
+    return 0
