@@ -64,9 +64,15 @@ def _metas(directory: Path) -> list[Path]:
 
 
 def prune(directory: Path, keep: int) -> None:
-    for meta in _metas(directory)[keep:]:
-        meta.with_suffix(".pt").unlink(missing_ok=True)
-        meta.unlink(missing_ok=True)
+    metas = _metas(directory)
+    for meta in metas[keep:]:
+        meta.unlink(missing_ok=True)   # metadata first: a kill in between leaves an ignored .pt, never a
+        meta.with_suffix(".pt").unlink(missing_ok=True)   # metadata file pointing at nothing
+    kept = {m.with_suffix(".pt").name for m in metas[:keep]}
+    if metas:
+        for orphan in directory.glob(f"{PREFIX}*.pt"):   # older data files whose metadata was removed
+            if orphan.name not in kept and orphan.name < metas[0].with_suffix(".pt").name:
+                orphan.unlink(missing_ok=True)
     for tmp in directory.glob(".tmp-*"):  # leftovers of a writer killed mid-write
         if time.time() - tmp.stat().st_mtime > 60:
             tmp.unlink(missing_ok=True)

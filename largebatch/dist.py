@@ -56,6 +56,11 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
         kwargs = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
+        from largebatch.reliability import attempt_store
+
+        store = attempt_store(timeout_s)   # per-restart key space (stale keys of a killed attempt otherwise)
+        if store is not None:
+            kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return info
 

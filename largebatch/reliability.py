@@ -1,0 +1,305 @@
+"""Reliability: no silent hangs, prompt graceful stops, a run directory that survives restarts,
+a preflight check across ranks, and a fault-injection knob to test all of it for real.
+
+The pieces and the order in which the trainer uses them:
+
+1. Control store. Under torchrun every worker reaches the rendezvous TCPStore at
+   MASTER_ADDR:MASTER_PORT (hosted by the elastic agent, which outlives worker restarts).
+   `control_store()` opens a client to it; keys live under ``largebatch/<run id>/``.
+2. Run directory across restarts. Rank 0 records the run directory it chose in the store
+   (`remember_run_dir`); a restarted group (TORCHELASTIC_RESTART_COUNT > 0) started by plain
+   `torchrun` without --run-dir reads it back (`remembered_run_dir`) and resumes there.
+3. Preflight. Every rank all-gathers (config hash, code version, torch version, world layout,
+   data sizes); `preflight()` fails fast with a UserError naming the rank that differs from
+   rank 0, or the rank without data.
+4. Watchdog. Before each collective-bearing region (a training step, a checkpoint barrier,
+   an evaluation) each rank writes its sequence number, step and region name to the store: one
+   small TCP round trip, no collective, no device sync. When a collective in the region fails
+   (the comm.timeout_s timeout fires, or a peer died), `Watchdog.guard` reads every rank's last
+   check-in and raises `CollectiveTimeout` naming the region, the step and the ranks that did
+   not arrive.
+5. Stop agreement. SIGTERM / SIGINT only set a local flag. Each step starts an asynchronous
+   1-element MAX all-reduce of that flag before the forward pass (it overlaps the step) and
+   reads it after the step, so every rank agrees to stop after the same step even when the
+   signal reached them a step apart. The stop is therefore at the next step boundary.
+6. Fault injection (a documented debugging knob, not a mock): the environment variable
+   LARGEBATCH_FAULTS, e.g. ``nan@1:3,hang@1:5,kill@0:7``, makes rank R at step S poison its
+   loss with NaN (``nan``), sleep ``hang_s`` seconds before checking in (``hang``), SIGKILL
+   itself (``kill``) or send itself SIGTERM (``term``). Steps may be ranges ``3-5``. A fault
+   fires only in restart attempt 0 unless suffixed ``/A`` (attempt A) or ``/*`` (every attempt).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from largebatch.errors import UserError
+
+FAULTS_ENV = "LARGEBATCH_FAULTS"
+HANG_S_ENV = "LARGEBATCH_FAULT_HANG_S"
+KINDS = ("nan", "hang", "kill", "term")
+
+
+# ---------------------------------------------------------------------------------- 1. control store
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _namespace() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"largebatch/{run_id}"
+
+
+def control_store(world_size: int, timeout_s: float = 60.0):
+    """A client of the launcher's TCPStore (None for a single process or without MASTER_ADDR)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world_size <= 1 or not addr or not port:
+        return None
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def attempt_store(timeout_s: float):
+    """The process group's store for this restart attempt, or None to let torch build it.
+
+    torchrun's c10d rendezvous hands every attempt the same agent TCPStore, so after a restart a
+    worker can read the gloo/NCCL addresses that the killed attempt published and fail with
+    "connection refused". A PrefixStore per attempt gives each attempt fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"{_namespace()}/attempt{restart_count()}/pg", store)
+
+
+# ---------------------------------------------------------------------------------- 2. run directory
+def remember_run_dir(store, path: Path) -> None:
+    if store is not None:
+        store.set(f"{_namespace()}/run_dir", str(path))
+
+
+def remembered_run_dir(store) -> Path | None:
+    key = f"{_namespace()}/run_dir"
+    if store is None or not store.check([key]):
+        return None
+    return Path(store.get(key).decode())
+
+
+# ---------------------------------------------------------------------------------- 3. preflight
+def code_version() -> str:
+    """largebatch version plus a hash of its source files (catches different code on different nodes)."""
+    from largebatch import __version__
+
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
+def preflight(info, *, config_hash: str, train_size: int, test_size: int) -> None:
+    """Compare what every rank is about to run; raise a UserError naming the odd rank out."""
+    mine = {"host": socket.gethostname(), "config hash": config_hash, "code version": code_version(),
+            "torch version": torch.__version__, "world size": info.world_size,
+            "local world size": info.local_world_size, "train images": train_size, "test images": test_size,
+            "local rank": info.local_rank, "node rank": info.node_rank}
+    if not info.distributed:
+        reports = [mine]
+    else:
+        reports = [None] * info.world_size
+        dist.all_gather_object(reports, mine)
+    check_reports(reports)
+
+
+def check_reports(reports: list[dict]) -> None:
+    """Step 3 on gathered reports (a pure function, also used by tests)."""
+    for rank, rep in enumerate(reports):
+        if rep["train images"] == 0:
+            raise UserError(f"preflight: rank {rank} on {rep['host']} has no training images; check data.root "
+                            "on that node.")
+    ref = reports[0]
+    for key in ("config hash", "code version", "torch version", "world size", "train images", "test images"):
+        odd = [r for r, rep in enumerate(reports) if rep[key] != ref[key]]
+        if odd:
+            r = odd[0]
+            raise UserError(f"preflight: rank {r} on {reports[r]['host']} has {key} {reports[r][key]} but rank 0 has "
+                            f"{ref[key]} (ranks differing: {odd}); launch every rank with the same code, recipe, "
+                            "--set overrides and data.")
+    seen: dict[tuple, int] = {}
+    for rank, rep in enumerate(reports):
+        where = (rep["host"], rep["node rank"], rep["local rank"])
+        if where in seen:
+            raise UserError(f"preflight: ranks {seen[where]} and {rank} both claim local rank {rep['local rank']} "
+                            f"on {rep['host']}; give each node its own --node-rank and the same --nproc-per-node.")
+        seen[where] = rank
+        if rep["local world size"] != ref["local world size"] and len({r["host"] for r in reports}) > 1:
+            raise UserError(f"preflight: rank {rank} on {rep['host']} runs {rep['local world size']} workers per "
+                            f"node but rank 0 runs {ref['local world size']}; use the same --nproc-per-node.")
+
+
+# ---------------------------------------------------------------------------------- 4. watchdog
+class CollectiveTimeout(RuntimeError):
+    """A collective failed or timed out; the message names the region, the step and the missing ranks."""
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset",
+                                   "gloo", "nccl", "broken pipe"))
+
+
+class Watchdog:
+    """Step 4: check-ins in the control store; turns a failed collective into a named error."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.prefix = f"{_namespace()}/attempt{restart_count()}/checkin"
+        self.seq = 0
+        if store is not None:
+            store.set(self._key(rank), "0|0|start")   # every rank's key exists before the first collective
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def check_in(self, step: int, region: str) -> None:
+        self.seq += 1
+        if self.store is not None:
+            self.store.set(self._key(self.rank), f"{self.seq}|{step}|{region}")   # one TCP round trip
+
+    def missing(self) -> list[tuple[int, int, str]]:
+        """(rank, last step, last region) of every rank whose last check-in is behind this rank's."""
+        keys = [self._key(r) for r in range(self.world_size)]
+        values = self.store.multi_get(keys)
+        out = []
+        for r, raw in enumerate(values):
+            seq, step, region = raw.decode().split("|", 2)
+            if int(seq) < self.seq:
+                out.append((r, int(step), region))
+        return out
+
+    @contextlib.contextmanager
+    def guard(self, step: int, region: str) -> Iterator[None]:
+        self.check_in(step, region)
+        try:
+            yield
+        except Exception as exc:
+            if self.store is None or not _is_comm_failure(exc):
+                raise
+            raise self.explain(exc, step, region) from exc
+
+    def explain(self, exc: BaseException, step: int, region: str) -> CollectiveTimeout:
+        head = (f"rank {self.rank}: collective in '{region}' at step {step} failed "
+                f"(comm.timeout_s={self.timeout_s:g})")
+        try:
+            late = self.missing()
+        except Exception as store_exc:   # the store itself is gone (its host died)
+            return CollectiveTimeout(f"{head}; the control store is unreachable too ({store_exc}); "
+                                     f"original error: {exc}")
+        if late:
+            names = ", ".join(f"rank {r} (last seen at step {s} in '{g}')" for r, s, g in late)
+            return CollectiveTimeout(f"{head}: ranks that did not arrive: {names}. Original error: {exc}")
+        return CollectiveTimeout(f"{head}: every rank arrived, so the collective itself stalled or a peer died "
+                                 f"inside it. Original error: {exc}")
+
+
+# ---------------------------------------------------------------------------------- 5. stop agreement
+class StopAgreement:
+    """Step 5: signals set a local flag; one async MAX all-reduce per step makes every rank agree."""
+
+    def __init__(self, distributed: bool, device: torch.device) -> None:
+        self.distributed = distributed
+        self.device = device
+        self.signum: int | None = None
+        self._flag = torch.zeros(1, device=device)
+        self._work = None
+
+    def install(self) -> None:
+        def handler(signum, frame):
+            self.signum = signum
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):   # not in the main thread
+                signal.signal(sig, handler)
+
+    def start(self) -> None:
+        """Launch the flag all-reduce (before the forward pass, so it overlaps the step)."""
+        self._flag.fill_(1.0 if self.signum else 0.0)
+        if self.distributed:
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def agreed(self) -> bool:
+        """Whether any rank asked to stop before this step began. On CUDA this reads one scalar right
+        after the step's own finiteness sync, when the stream is already drained (a cheap host sync)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return bool(self._flag.item())
+
+
+# ---------------------------------------------------------------------------------- 6. fault injection
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    first: int
+    last: int
+    attempt: int | None   # None: every attempt
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            spec, _, attempt = item.partition("/")
+            kind, _, where = spec.partition("@")
+            rank, _, steps = where.partition(":")
+            first, _, last = steps.partition("-")
+            fault = Fault(kind, int(rank), int(first), int(last or first),
+                          None if attempt == "*" else int(attempt or 0))
+        except ValueError:
+            fault = None
+        if fault is None or fault.kind not in KINDS:
+            raise UserError(f"{FAULTS_ENV} entry {item!r} is not KIND@RANK:STEP[-STEP][/ATTEMPT] with KIND one of "
+                            f"{', '.join(KINDS)}; e.g. {FAULTS_ENV}=nan@1:3,kill@0:7.")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Step 6: this rank's faults from LARGEBATCH_FAULTS (empty, and free, when it is unset)."""
+
+    def __init__(self, rank: int) -> None:
+        attempt = restart_count()
+        self.faults = [f for f in parse_faults(os.environ.get(FAULTS_ENV, ""))
+                       if f.rank == rank and f.attempt in (None, attempt)]
+        self.hang_s = float(os.environ.get(HANG_S_ENV, "3600"))
+
+    def _hit(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and f.first <= step <= f.last for f in self.faults)
+
+    def before_step(self, step: int) -> None:
+        if not self.faults:
+            return
+        if self._hit("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._hit("term", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._hit("hang", step):
+            time.sleep(self.hang_s)
+
+    def poison(self, step: int) -> bool:
+        return bool(self.faults) and self._hit("nan", step)
