@@ -126,6 +126,7 @@ class Trainer:
 
         # 6. data parallelism and the communication hook
         self.ddp = model
+        self.comm_state = None
         if self.info.distributed:
             self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None,
@@ -137,7 +138,8 @@ class Trainer:
                 options = {"compression": cfg.comm.compression}
                 if cfg.comm.grid:
                     options["grid"] = cfg.comm.grid
-                register(self.ddp, cfg.comm.algorithm, **options)
+                options["timeout_s"] = cfg.comm.timeout_s
+                self.comm_state = register(self.ddp, cfg.comm.algorithm, **options)
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
 
         # 7. optimizer (lr set per step from the plan)
@@ -203,6 +205,8 @@ class Trainer:
                          "wall_s": self.wall_before + self._session_wall(), "images_seen": self.images_seen,
                          "train_time": self.train_time},
             "config_hash": self.cfg.hash(),
+            # the comm hook's fields, without its process group (plain data: loads with weights_only)
+            "comm": self.comm_state.__getstate__() if self.comm_state is not None else {},
         }
 
     def save_checkpoint(self) -> None:
@@ -402,6 +406,8 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             self.display.close()
+            if self.comm_state is not None:
+                self.comm_state.close()
         if stopped:
             self.save_checkpoint()
             if self.main:
