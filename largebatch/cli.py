@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench train": ("largebatch.bench.train", "training images/s: largebatch against a plain PyTorch loop"),
     "bench data": ("largebatch.bench.data", "data pipeline images/s: largebatch against plain Pillow"),
     "bench allreduce": ("largebatch.bench.allreduce", "all-reduce bus bandwidth per algorithm"),
+    "bench optim": ("largebatch.optim.bench", "optimizer step time: LARS / LAMB against torch SGD"),
     "bench scaling": ("largebatch.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
     "cluster run": ("largebatch.cluster", "run a command on real separate hosts made of network namespaces"),
     "study batch-scaling": ("largebatch.study", "top-1 against global batch per optimizer"),
