@@ -1,24 +1,36 @@
-"""`largebatch bench data`: ImageFolder decode + random-resized-crop + flip, images/s.
+"""`largebatch bench data`: JPEG decode + random-resized-crop + flip at 224, images/s, two pipelines.
 
-1. Write an ImageFolder of real-size JPEGs (default 500 x 375, --width/--height, quality 90, content =
-   colour gradients + smooth blobs + pixel noise, so files are about ImageNet-sized,
-   ~75 KB) into --dir or a temporary directory.
-2. Run largebatch's pipeline (``ImageFolderSource``: DCT-scaled simplejpeg decode,
-   uint8 torch resize, batched items) over the images with N loader workers.
-3. Run a plain Pillow pipeline with the same workers and batch: per-sample
-   ``Image.open().convert('RGB')``, random-resized-crop with ``Image.resize(box=...)``,
-   random flip, ``torch.from_numpy(np.asarray(img)).permute(2, 0, 1)``, default collate.
-4. Each pipeline: one untimed warm-up pass (workers start, files enter the page
-   cache), then the timed region covers exactly --passes full passes over the images
-   (median pass reported). Print both rates and the speedup; --json writes them. With
-   --workers 0 the work runs in this process, and images per CPU-second are reported
-   too: unlike wall time they hold on a machine shared with other jobs.
+1. Write an ImageFolder of real-size JPEGs (default 500 x 375, about ImageNet's typical
+   size, --width/--height, quality 90, 4:2:0; content = colour gradients + smooth blobs +
+   pixel noise, so files are about ImageNet-sized, ~75 KB) into --dir or a temporary directory.
+2. largebatch's pipeline (``ImageFolderSource``, what ``largebatch train`` uses): per
+   batch, in a loader worker: read the file, parse the JPEG header, draw the crop box,
+   decode with simplejpeg (libjpeg-turbo, fast IDCT, fast upsampling) at the smallest DCT
+   scale 1/2, 1/4 or 1/8 that still gives the *crop* at least S x S pixels, resize the box
+   with torch's uint8 antialiased bilinear kernel on channels-last pixels, mirror, write
+   into one uint8 NHWC batch buffer. Output: uint8; the float conversion and the
+   normalisation run in the model's first step (``models.Normalize``), on the accelerator.
+3. The plain pipeline a user would write (torchvision's ImageNet training transform,
+   re-implemented with Pillow + torch because torchvision is not installed here), per
+   sample: ``default_loader`` (``Image.open(f).convert('RGB')``), ``RandomResizedCrop(S)``
+   (the same box algorithm, ``img.crop(box).resize((S, S), BILINEAR)``),
+   ``RandomHorizontalFlip()`` (``transpose``), ``ToTensor()`` (HWC uint8 -> CHW float32 / 255),
+   ``Normalize(mean, std)`` (clone, ``sub_``, ``div_``), then the DataLoader's default
+   collate (``torch.stack``; float32 batches, 4x the bytes of uint8, cross the worker queue).
+4. Each pipeline: one untimed warm-up pass (workers start, files enter the page cache),
+   then the timed region covers exactly --passes full passes over the images (median
+   pass reported). Wall images/s, and images per CPU-second of the whole process tree
+   (this process + its loader workers, from /proc): CPU time holds on a machine shared
+   with other jobs, wall time does not.
+5. Stage costs: both pipelines' stages timed one by one (CPU ms per image, in this
+   process, on --stage-images of the files), so the docs can say where the time goes.
 """
 from __future__ import annotations
 
 import io
 import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -26,7 +38,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import simplejpeg
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -34,6 +48,8 @@ from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
 MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def natural_image(seed: int, width: int = 500, height: int = 375) -> np.ndarray:
@@ -62,43 +78,130 @@ def write_imagefolder(root: Path, images: int, classes: int = 10, width: int = 5
                 path.write_bytes(buf.getvalue())
 
 
+def rrc_params(width: int, height: int, min_scale: float) -> tuple[int, int, int, int]:
+    """Step 3: torchvision's ``RandomResizedCrop.get_params`` -> (top, left, height, width)."""
+    area = width * height
+    for _ in range(10):
+        target = area * random.uniform(min_scale, 1.0)
+        ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
+        cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
+        if 0 < cw <= width and 0 < ch <= height:
+            return random.randint(0, height - ch), random.randint(0, width - cw), ch, cw
+    in_ratio = width / height  # fallback: centre crop, ratio clamped to [3/4, 4/3]
+    if in_ratio < 3 / 4:
+        cw, ch = width, int(round(width / (3 / 4)))
+    elif in_ratio > 4 / 3:
+        ch, cw = height, int(round(height * (4 / 3)))
+    else:
+        cw, ch = width, height
+    return (height - ch) // 2, (width - cw) // 2, ch, cw
+
+
+def to_tensor(img: Image.Image) -> torch.Tensor:
+    """Step 3: torchvision's ``ToTensor`` for an RGB image: CHW float32 in [0, 1]."""
+    x = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.size[1], img.size[0], 3)
+    return x.permute(2, 0, 1).contiguous().to(torch.float32).div(255)
+
+
 class PlainPillow(Dataset):
-    """Step 3: the usual per-sample Pillow pipeline (torchvision's algorithm, uint8 out)."""
+    """Step 3: torchvision's ImageNet training transform with Pillow + torch, per sample, float32 out."""
 
     def __init__(self, paths: list[str], labels: list[int], size: int, min_scale: float) -> None:
         self.paths, self.labels, self.size, self.min_scale = paths, labels, size, min_scale
+        self.mean = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).view(-1, 1, 1)
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int):
-        img = Image.open(self.paths[i]).convert("RGB")
-        w, h = img.size
-        box = (0, 0, w, h)
-        for _ in range(10):
-            area = w * h * random.uniform(self.min_scale, 1.0)
-            ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
-            cw, ch = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
-            if 0 < cw <= w and 0 < ch <= h:
-                top, left = random.randint(0, h - ch), random.randint(0, w - cw)
-                box = (left, top, left + cw, top + ch)
-                break
-        img = img.resize((self.size, self.size), Image.BILINEAR, box=box)
-        if random.random() < 0.5:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with open(self.paths[i], "rb") as f:                                    # default_loader
+            img = Image.open(f).convert("RGB")
+        top, left, ch, cw = rrc_params(img.size[0], img.size[1], self.min_scale)  # RandomResizedCrop
+        img = img.crop((left, top, left + cw, top + ch)).resize((self.size, self.size), Image.BILINEAR)
+        if random.random() < 0.5:                                               # RandomHorizontalFlip
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1), self.labels[i]
+        x = to_tensor(img)                                                      # ToTensor
+        x = x.clone().sub_(self.mean).div_(self.std)                            # Normalize (inplace=False)
+        return x, self.labels[i]
+
+
+def _tree_cpu_seconds() -> float:
+    """Step 4: user + system CPU seconds of this process and its live children (Linux /proc)."""
+    me = os.getpid()
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(entry.name) == me or int(fields[1]) == me:  # fields[1] is the parent pid
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def _time_passes(run_pass, passes: int) -> tuple[float, float]:
-    """Median wall seconds and median CPU seconds of this process per pass (step 4)."""
+    """Step 4: median wall seconds and median process-tree CPU seconds per pass."""
     run_pass()  # warm-up: workers start, page cache
     wall, cpu = [], []
     for _ in range(passes):
-        start, start_cpu = time.perf_counter(), time.process_time()
+        start, start_cpu = time.perf_counter(), _tree_cpu_seconds()
         run_pass()
         wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
+        cpu.append(_tree_cpu_seconds() - start_cpu)
     return statistics.median(wall), statistics.median(cpu)
+
+
+def stage_costs(files: list[bytes], size: int, min_scale: float, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Step 5: CPU ms per image of each stage of both pipelines (best of `repeats`), in this process."""
+    from largebatch.data import jpeg
+
+    def timed(fn, inputs) -> tuple[float, list]:
+        best, outs = math.inf, []
+        for _ in range(repeats):
+            start = time.process_time()
+            outs = [fn(i, a) for i, a in enumerate(inputs)]
+            best = min(best, time.process_time() - start)
+        return round(1e3 * best / len(inputs), 3), outs
+
+    mean, std = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1), torch.tensor(IMAGENET_STD).view(-1, 1, 1)
+    plain: dict[str, float] = {}
+    plain["open + convert('RGB')"], imgs = timed(lambda i, d: Image.open(io.BytesIO(d)).convert("RGB"), files)
+    random.seed(0)
+    boxes = [rrc_params(im.size[0], im.size[1], min_scale) for im in imgs]
+    plain["crop + resize (bilinear)"], crops = timed(
+        lambda i, im: im.crop((boxes[i][1], boxes[i][0], boxes[i][1] + boxes[i][3], boxes[i][0] + boxes[i][2]))
+        .resize((size, size), Image.BILINEAR), imgs)
+    plain["flip"], _ = timed(lambda i, im: im.transpose(Image.FLIP_LEFT_RIGHT), crops)
+    plain["ToTensor"], xs = timed(lambda i, im: to_tensor(im), crops)
+    plain["Normalize"], _ = timed(lambda i, x: x.clone().sub_(mean).div_(std), xs)
+    plain["total"] = round(sum(plain.values()), 3)
+
+    ours: dict[str, float] = {}
+    ours["header + crop box"], heads = timed(
+        lambda i, d: (simplejpeg.decode_jpeg_header(d)[:2], jpeg.rrc_box(*simplejpeg.decode_jpeg_header(d)[:2],
+                                                                          min_scale, 0, 0, i)), files)
+    factors = [jpeg.dct_factor(h, w, box, size) for (h, w), box in heads]
+    ours["decode (DCT-scaled)"], pixels = timed(
+        lambda i, d: jpeg._decode(d, heads[i][0][0], heads[i][0][1], "RGB", factors[i]), files)
+    out = torch.empty((size, size, 3), dtype=torch.uint8)
+
+    def resize(i: int, px: np.ndarray) -> None:
+        (h, w), (top, left, ch, cw) = heads[i]
+        sy, sx = px.shape[0] / h, px.shape[1] / w
+        crop = torch.from_numpy(px[int(top * sy):int(round((top + ch) * sy)), int(left * sx):int(round((left + cw) * sx))])
+        crop = crop.permute(2, 0, 1).unsqueeze(0).contiguous(memory_format=torch.channels_last)
+        res = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        out.copy_(res[0].permute(1, 2, 0).flip(1))
+
+    ours["crop + resize + flip (uint8)"], _ = timed(resize, pixels)
+    ours["total"] = round(sum(ours.values()), 3)
+    ours["decodes at reduced scale (%)"] = round(100 * sum(k > 1 for k in factors) / len(factors), 1)
+    return {"plain": plain, "largebatch": ours}
 
 
 def memory_rate(batch: int = 1024, steps: int = 58) -> float | None:
@@ -130,11 +233,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--width", type=int, default=500, help="width of the generated JPEGs")
     p.add_argument("--height", type=int, default=375, help="height of the generated JPEGs")
     p.add_argument("--min-scale", type=float, default=0.08, help="random-resized-crop smallest area fraction")
+    p.add_argument("--stage-images", type=int, default=32, help="images for the per-stage costs (0 = skip them)")
+    p.add_argument("--no-memory", action="store_true", help="skip the Fashion-MNIST in-memory rate")
     p.add_argument("--dir", type=Path, default=None, help="keep the generated ImageFolder here (reused if present)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    if args.images < args.batch or args.workers < 0 or args.size < 8 or args.passes < 1:
-        raise UserError("bench data needs --images >= --batch, --workers >= 0, --size >= 8 and --passes >= 1.")
+    if args.images < args.batch or args.workers < 0 or args.size < 8 or args.passes < 1 or args.stage_images < 0:
+        raise UserError("bench data needs --images >= --batch, --workers >= 0, --size >= 8, --passes >= 1 "
+                        "and --stage-images >= 0.")
 
     from largebatch.data.imagefolder import ImageFolderSource, scan
 
@@ -147,6 +253,11 @@ def main(argv: list[str]) -> int:
         n = len(paths)
         batches = [torch.arange(s, min(n, s + args.batch)) for s in range(0, n, args.batch)]
 
+        torch.set_num_threads(1)  # like a loader worker: one thread per decoding process
+        stages = stage_costs([Path(str(q)).read_bytes() for q in paths[:args.stage_images]], args.size,
+                             args.min_scale) if args.stage_images else None
+
+        # Step 2: largebatch's pipeline.
         ours = ImageFolderSource(paths, labels, size=args.size, min_scale=args.min_scale, seed=0, augment=True,
                                  workers=args.workers, on_corrupt="skip")
         epoch = [0]
@@ -156,21 +267,22 @@ def main(argv: list[str]) -> int:
             for x, _ in ours.batches(batches, train=True, epoch=epoch[0]):
                 pass
 
+        t_ours, cpu_ours = _time_passes(ours_pass, args.passes)
+        ours.close()
+
+        # Step 3: the plain per-sample pipeline.
         plain_loader = DataLoader(PlainPillow([str(q) for q in paths], labels.tolist(), args.size, args.min_scale),
-                                  batch_size=args.batch, num_workers=args.workers,
+                                  batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                   persistent_workers=args.workers > 0)
 
         def plain_pass() -> None:
             for x, _ in plain_loader:
                 pass
 
-        torch.set_num_threads(1)  # like a loader worker: one thread per decoding process
-        t_ours, cpu_ours = _time_passes(ours_pass, args.passes)
-        ours.close()
         t_plain, cpu_plain = _time_passes(plain_pass, args.passes)
         del plain_loader
 
-    idx_rate = memory_rate()
+    idx_rate = None if args.no_memory else memory_rate()
     result = {
         "images": n, "width": args.width, "height": args.height, "workers": args.workers, "size": args.size,
         "batch": args.batch, "passes": args.passes,
@@ -178,20 +290,28 @@ def main(argv: list[str]) -> int:
         "images_per_s": round(n / t_ours, 1),
         "plain_images_per_s": round(n / t_plain, 1),
         "speedup": round(t_plain / t_ours, 2),
+        "cpu_images_per_s": round(n / max(cpu_ours, 1e-9), 1),
+        "plain_cpu_images_per_s": round(n / max(cpu_plain, 1e-9), 1),
+        "cpu_speedup": round(cpu_plain / max(cpu_ours, 1e-9), 2),
+        "stage_ms_per_image": stages,
         "idx_images_per_s": round(idx_rate, 1) if idx_rate else None,
+        "load_average": [round(v, 2) for v in os.getloadavg()],
         "machine": MACHINE,
-        **({"cpu_images_per_s": round(n / cpu_ours, 1), "plain_cpu_images_per_s": round(n / cpu_plain, 1),
-            "cpu_speedup": round(cpu_plain / cpu_ours, 2)} if args.workers == 0 else {}),
         "command": "largebatch bench data " + " ".join(argv),
     }
     print(f"data pipeline, {n} JPEGs of {args.width}x{args.height} (~{result['mean_jpeg_kb']} KB), crop {args.size}, "
           f"{args.workers} workers, batch {args.batch}, median of {args.passes} passes")
-    print(f"  largebatch (DCT-scaled simplejpeg + uint8 torch resize): {result['images_per_s']:>8.1f} images/s")
-    print(f"  plain Pillow (open/convert, resize(box), flip, tensor):   {result['plain_images_per_s']:>8.1f} images/s")
-    print(f"  speedup: {result['speedup']:.2f}x")
-    if args.workers == 0:  # in-process: CPU time is meaningful even on a loaded machine
-        print(f"  per CPU-second: {result['cpu_images_per_s']:.1f} vs {result['plain_cpu_images_per_s']:.1f} "
-              f"images/s, {result['cpu_speedup']:.2f}x")
+    print(f"  {'':58s} {'img/s wall':>10s} {'img/CPU-s':>10s}")
+    print(f"  {'largebatch (DCT-scaled simplejpeg, uint8 torch resize)':58s} {result['images_per_s']:>10.1f} "
+          f"{result['cpu_images_per_s']:>10.1f}")
+    print(f"  {'plain (Pillow RRC + flip + ToTensor + Normalize, collate)':58s} {result['plain_images_per_s']:>10.1f} "
+          f"{result['plain_cpu_images_per_s']:>10.1f}")
+    print(f"  speedup: {result['speedup']:.2f}x wall, {result['cpu_speedup']:.2f}x per CPU-second "
+          f"(load average {result['load_average'][0]})")
+    if stages:
+        print(f"  CPU ms per image by stage ({args.stage_images} images, this process):")
+        for side, costs in stages.items():
+            print(f"    {side}: " + ", ".join(f"{k} {v}" for k, v in costs.items()))
     if idx_rate:
         print(f"  Fashion-MNIST in memory, batched pad-crop + flip (1 thread): {idx_rate:,.0f} images/s")
     if args.json:
