@@ -15,6 +15,7 @@ from largebatch.models.alexnet import AlexNetBN, alexnet_bn
 from largebatch.models.flops import count_flops, count_macs
 from largebatch.models.normalize import Normalize
 from largebatch.models.resnet import STEMS, ResNet, resnet18, resnet34, resnet50, resnet101, resnet152
+from largebatch.models.speedrun import SpeedrunNet, speedrun_net
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18,
@@ -23,6 +24,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet101": resnet101,
     "resnet152": resnet152,
     "alexnet_bn": alexnet_bn,
+    "speedrun": speedrun_net,
 }
 
 

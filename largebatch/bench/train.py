@@ -1,0 +1,220 @@
+"""`largebatch bench train`: training images/s of largebatch's step beside a plain PyTorch loop, and the MFU.
+
+Everything below runs in one process, in the same run, with the same threads (cores / local workers):
+
+1. Peak: GFLOP/s of a large square matrix multiply (--peak-size, default 2048) in fp32 and in bf16, the
+   best of several repetitions each. The machine's matmul peak is the faster of the two.
+2. Plain PyTorch: the same architecture (`build_model`, fresh weights), fp32, NCHW, eager, float input,
+   ``torch.optim.SGD(momentum=0.9, weight_decay=1e-4)``: ``zero_grad; cross_entropy(model(x), y).backward();
+   step`` -- the loop a user would write.
+3. largebatch: per configuration (--configs, e.g. ``fp32``, ``fp32-cl``, ``bf16-cl``, ``fp32-cl-compile``:
+   precision, channels_last, torch.compile) a real `Trainer` on the synthetic source (world size 1), timed
+   through `Trainer._train_step` on micro-batches from its own sampler and source: uint8 pixels until the
+   model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (foreach SGD), the one
+   finiteness host sync per step. The product's step, not a separate loop; the crop of the next batch is
+   timed with it.
+4. Timing: one untimed warm-up step per entry (and compilation), then --rounds rounds; in each round every
+   entry runs --steps steps in turn, so a load change on a shared machine hits all of them alike. Each
+   entry's figure is its median round.
+5. Report: images/s per entry, the fastest largebatch configuration, its speedup over the plain loop, and
+   MFU = images/s x 3 x forward FLOPs per image (`count_flops`; backward = 2 x forward) / peak, against
+   the fp32 peak, the bf16 peak and the machine's peak. --json writes all of it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from largebatch.cli import ArgumentParser
+from largebatch.errors import UserError
+
+MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5) -> float:
+    """Step 1: best GFLOP/s of `size` x `size` matmuls in `dtype` over at least `min_time_s` seconds."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    torch.mm(a, b)   # warm-up: kernel selection, page faults
+    best, spent, reps = 0.0, 0.0, 0
+    while spent < min_time_s or reps < 3:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        spent += dt
+        reps += 1
+        best = max(best, 2 * size ** 3 / dt / 1e9)
+    return best
+
+
+def parse_config(name: str) -> dict:
+    """'bf16-cl-compile' -> {'precision': 'bf16', 'channels_last': True, 'compile': False}."""
+    parts = name.split("-")
+    if parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile"} or len(set(parts[1:])) != len(parts[1:]):
+        raise UserError(f"--configs entry {name!r} is not PRECISION[-cl][-compile] with PRECISION one of "
+                        f"{', '.join(PRECISIONS)} (e.g. fp32-cl or bf16-cl-compile).")
+    if parts[0] == "fp16" and not torch.cuda.is_available():
+        raise UserError(f"--configs entry {name!r}: fp16 needs a CUDA device; use bf16 or fp32 on CPU.")
+    return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": "compile" in parts[1:]}
+
+
+def plain_step_fn(args, num_classes: int) -> Callable[[], None]:
+    """Step 2: the plain PyTorch loop on the same architecture."""
+    from largebatch.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(args.model, num_classes, in_channels=3, stem=_stem(args), width=args.width).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size)
+    y = torch.randint(0, num_classes, (args.batch,))
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def _stem(args) -> str:
+    return "small" if args.image_size <= 64 else "imagenet"
+
+
+def largebatch_step_fn(args, spec: dict, run_dir: Path) -> Callable[[], None]:
+    """Step 3: a real Trainer, and a closure running one `_train_step` on its next micro-batches."""
+    from largebatch.config import from_dict
+    from largebatch.trainer import Trainer
+
+    cfg = from_dict({
+        "model": {"name": args.model, "width": args.width, "stem": _stem(args)},
+        "data": {"dataset": "synthetic", "image_size": args.image_size, "num_classes": args.classes,
+                 "synthetic_size": max(args.batch * 8, 256)},
+        "batch": {"global_batch": args.batch},
+        "optim": {"name": args.optimizer, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
+        "schedule": {"epochs": 1, "warmup_epochs": 0},
+        "train": {"precision": spec["precision"], "channels_last": "on" if spec["channels_last"] else "off",
+                  "compile": spec["compile"], "plots": False, "threads": args.threads},
+    }, recipe="bench-train")
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    phase = trainer.plan.phase_at(0)
+    lr = trainer.plan.lr(0)
+    state = {"epoch": 0, "it": iter(())}
+
+    def next_micro() -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(2):
+            try:
+                return next(state["it"])
+            except StopIteration:   # a new epoch of the synthetic source
+                state["epoch"] += 1
+                state["it"] = iter(trainer.train_data.batches(trainer._micro_batches(state["epoch"], 0, phase),
+                                                              train=True, epoch=state["epoch"]))
+        raise RuntimeError("the synthetic source yielded no batches")
+
+    def step() -> None:
+        micros = [next_micro() for _ in range(phase.accumulation)]
+        trainer._train_step(micros, phase, lr)   # ends in the per-step finiteness host sync
+    return step
+
+
+def measure(entries: dict[str, Callable[[], None]], batch: int, steps: int, rounds: int,
+            log: Callable[[str], None]) -> dict[str, dict]:
+    """Step 4: warm-up, then interleaved rounds; images/s per entry (median round, and every round)."""
+    for name, step in entries.items():
+        t0 = time.perf_counter()
+        step()
+        log(f"  warm-up {name}: {time.perf_counter() - t0:.1f} s")
+    rates: dict[str, list[float]] = {name: [] for name in entries}
+    for r in range(rounds):
+        for name, step in entries.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            rates[name].append(batch * steps / (time.perf_counter() - t0))
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()) + " img/s")
+    return {name: {"images_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}
+
+
+def main(argv: list[str]) -> int:
+    p = ArgumentParser(prog="largebatch bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50", help="architecture from largebatch.models.MODELS")
+    p.add_argument("--width", type=int, default=64, help="channels of the first stage")
+    p.add_argument("--image-size", type=int, default=128, help="square input size in pixels")
+    p.add_argument("--classes", type=int, default=1000, help="output classes")
+    p.add_argument("--batch", type=int, default=32, help="images per step (one process)")
+    p.add_argument("--configs", default="fp32,fp32-cl,bf16-cl",
+                   help="comma-separated largebatch configurations PRECISION[-cl][-compile]")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "lars", "lamb"), help="largebatch optimizer")
+    p.add_argument("--steps", type=int, default=3, help="steps per entry per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+    p.add_argument("--peak-size", type=int, default=2048, help="matrix size of the peak matmul measurement")
+    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="only the summary")
+    args = p.parse_args(argv)
+    if min(args.batch, args.steps, args.rounds, args.width, args.classes) < 1 or args.image_size < 8 \
+            or args.peak_size < 16 or (args.threads is not None and args.threads < 1):
+        raise UserError("bench train needs --batch, --steps, --rounds, --width, --classes, --threads >= 1, "
+                        "--image-size >= 8 and --peak-size >= 16.")
+    from largebatch.models import MODELS, build_model, count_flops
+
+    if args.model not in MODELS:
+        raise UserError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)} (--model).")
+    specs = {name: parse_config(name) for name in args.configs.split(",") if name}
+    if not specs:
+        raise UserError("--configs is empty; give at least one configuration, e.g. fp32-cl.")
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+
+    from largebatch import dist as dist_mod
+
+    threads = dist_mod.set_threads(args.threads, 1)
+    # 1. Peaks.
+    peak_fp32 = matmul_peak_gflops(torch.float32, args.peak_size)
+    peak_bf16 = matmul_peak_gflops(torch.bfloat16, args.peak_size)
+    peak = max(peak_fp32, peak_bf16)
+    log(f"matmul peak ({args.peak_size}^3, {threads} threads): fp32 {peak_fp32:.1f} GFLOP/s, "
+        f"bf16 {peak_bf16:.1f} GFLOP/s")
+    flops_per_image = 3 * count_flops(build_model(args.model, args.classes, in_channels=3, stem=_stem(args),
+                                                  width=args.width), (1, 3, args.image_size, args.image_size))
+    # 2.-4. Entries, measured interleaved.
+    with tempfile.TemporaryDirectory(prefix="largebatch-bench-train-") as tmp:
+        entries = {"plain": plain_step_fn(args, args.classes)}
+        for name, spec in specs.items():
+            entries[name] = largebatch_step_fn(args, spec, Path(tmp) / name)
+        results = measure(entries, args.batch, args.steps, args.rounds, log)
+    # 5. Report.
+    plain = results.pop("plain")["images_per_s"]
+    best = max(results, key=lambda n: results[n]["images_per_s"])
+    rate = results[best]["images_per_s"]
+    for r in results.values():
+        r["speedup"] = r["images_per_s"] / plain
+        r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
+    out = {
+        "machine": MACHINE, "model": args.model, "width": args.width, "image_size": args.image_size,
+        "batch": args.batch, "threads": threads, "optimizer": args.optimizer,
+        "best_config": best, "images_per_s": rate, "plain_images_per_s": plain, "speedup": rate / plain,
+        "train_gflops_per_image": flops_per_image / 1e9,
+        "peak_matmul_gflops": peak, "peak_matmul_gflops_fp32": peak_fp32, "peak_matmul_gflops_bf16": peak_bf16,
+        "mfu": rate * flops_per_image / (peak * 1e9),
+        "mfu_fp32_peak": rate * flops_per_image / (peak_fp32 * 1e9),
+        "mfu_bf16_peak": rate * flops_per_image / (peak_bf16 * 1e9),
+        "plain_mfu": plain * flops_per_image / (peak * 1e9),
+        "configs": results,
+    }
+    print(f"{args.model} @ {args.image_size} px, batch {args.batch}, {threads} threads: plain PyTorch "
+          f"{plain:.1f} img/s; " + "; ".join(f"{n} {r['images_per_s']:.1f} img/s ({r['speedup']:.2f}x)"
+                                             for n, r in results.items()))
+    print(f"best {best}: {rate:.1f} img/s, {rate / plain:.2f}x plain; MFU {out['mfu']:.1%} of the machine's "
+          f"{peak:.0f} GFLOP/s matmul peak (fp32 peak {peak_fp32:.0f}: {out['mfu_fp32_peak']:.1%}, "
+          f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
