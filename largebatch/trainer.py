@@ -467,7 +467,9 @@ class Trainer:
     def _finish(self) -> dict:
         if not hasattr(self, "last_eval"):
             self._log_eval()
-        ensemble_rec = self._ensemble_eval() if self.plan.segments else {}
+        # Collapsed Ensemble: only once a snapshot exists (a run stopped early by max_steps may have none).
+        has_snapshot = any(s <= self.step for s in self.plan.snapshot_steps())
+        ensemble_rec = self._ensemble_eval() if has_snapshot else {}
         wall = self.wall_before + self._session_wall()
         corrupt = list(getattr(self.train_data, "corrupt", [])) + list(getattr(self.test_data, "corrupt", []))
         if self.info.distributed:   # every rank skipped its own share of the corrupt files
