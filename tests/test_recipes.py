@@ -1,0 +1,101 @@
+"""Every ImageNet recipe resolves to its paper's numbers on 256 and 2,048 workers (the --dry-run
+arithmetic); the Fashion-MNIST counterparts keep the technique stack; LAMB and the sqrt rule
+are selectable from a recipe and LAMB's first step matches a hand-computed update."""
+import json
+import math
+
+import pytest
+import torch
+
+from largebatch import config as config_mod
+from largebatch.optim import LAMB, LARS, build_optimizer
+from largebatch.train_cli import dry_run
+
+pytestmark = pytest.mark.timeout(120)
+IMAGENET = 1281167
+
+# recipe -> (optimizer, global batches per phase, peak lr per phase, warm-up epochs, weight decay, epochs)
+PAPERS = {
+    "imagenet_resnet50_goyal_8k": ("sgd", [8192], [3.2], 5, 1e-4, 90),
+    "imagenet_resnet50_lars_32k": ("lars", [32768], [29.0], 5, 1e-4, 90),
+    "imagenet_resnet50_sony_batch_control": ("lars", [34816, 69632], [13.6, 27.2], 5, 5e-5, 90),
+    "imagenet_resnet50_collapsed_ensemble": ("sgd", [4096], [1.6], 5, 1e-4, 72),
+    "imagenet_resnet50_mlperf_lars": ("lars", [32768], [24.0], 5, 5e-5, 41),
+}
+
+
+@pytest.mark.parametrize("world", [256, 2048])
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_imagenet_recipe_dry_run(name, world):
+    opt, batches, lrs, warmup, wd, epochs = PAPERS[name]
+    cfg = config_mod.load(name)
+    plan = dry_run(cfg, world)
+    assert plan["model"] == "resnet50" and plan["optimizer"] == opt and plan["train_size"] == IMAGENET
+    assert plan["precision"] == "fp16" and cfg.data.image_size == 224 and cfg.model.zero_init_residual
+    assert plan["weight_decay"] == wd and plan["no_decay_bn_bias"] is True   # BN/bias excluded
+    assert [p["global_batch"] for p in plan["phases"]] == batches
+    assert [p["peak_lr"] for p in plan["phases"]] == pytest.approx(lrs)
+    assert [p["per_worker_batch"] for p in plan["phases"]] == [b // world for b in batches]
+    spe = [IMAGENET // b for b in batches]
+    assert [p["steps_per_epoch"] for p in plan["phases"]] == spe
+    assert plan["warmup_steps"] == round(warmup * spe[0])
+    assert plan["epochs"] == epochs
+
+
+def test_paper_specifics():
+    goyal = dry_run(config_mod.load("imagenet_resnet50_goyal_8k"), 256)
+    assert (goyal["warmup_start_lr"], goyal["warmup_steps"], goyal["total_steps"]) == (0.1, 780, 90 * 156)
+    assert goyal["per_worker_batch"] == 32   # Goyal's n = 32
+    sony = dry_run(config_mod.load("imagenet_resnet50_sony_batch_control"), 2048)
+    assert [(p["start_epoch"], p["per_worker_batch"]) for p in sony["phases"]] == [(0, 17), (5, 34)]
+    ce = dry_run(config_mod.load("imagenet_resnet50_collapsed_ensemble"), 256)
+    assert [(g["kind"], g["start_epoch"], g["collapse_epoch"], g["end_epoch"]) for g in ce["ensemble"]] == [
+        ("base", 0, 31, 36), ("cycle", 36, 49, 54), ("cycle", 54, 67, 72)]
+    cfg = config_mod.load("imagenet_resnet50_collapsed_ensemble")
+    assert cfg.ensemble.collapse_wd_factor == 2.0 and cfg.ensemble.collapse_epochs == 5
+    lars = config_mod.load("imagenet_resnet50_lars_32k")
+    assert lars.optim.trust_coefficient == 0.001 and lars.schedule.decay == "poly" and lars.schedule.power == 2
+
+
+def test_dry_run_cli_prints_phases(cli):
+    proc = cli("train", "imagenet_resnet50_sony_batch_control", "--dry-run", "--world-size", "2048", check=True)
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [p["global_batch"] for p in plan["phases"]] == [34816, 69632]
+    assert "batch phases" in proc.stdout
+
+
+@pytest.mark.parametrize("stem", ["goyal_8k", "lars_32k", "sony_batch_control", "collapsed_ensemble", "mlperf_lars"])
+def test_fashion_mnist_counterparts(stem):
+    fm = config_mod.load(f"fashion_mnist_{stem}", ["data.train_size=60000"])
+    im = config_mod.load(f"imagenet_resnet50_{stem}")
+    assert fm.data.dataset == "fashion_mnist" and fm.train.precision == "fp32"
+    assert fm.optim.name == im.optim.name and fm.schedule.decay == im.schedule.decay
+    assert len(fm.batch.phases) == len(im.batch.phases) and fm.ensemble.cycles == im.ensemble.cycles
+    plan = dry_run(fm, 2)
+    assert plan["total_steps"] > 0 and all(p["global_batch"] <= 60000 // 20 for p in plan["phases"])
+
+
+def test_lamb_and_sqrt_rule_from_a_recipe():
+    cfg = config_mod.load("fashion_mnist", ["optim.name=lamb", "optim.scaling_rule=sqrt", "optim.lr=0.01",
+                                            "optim.weight_decay=0.1", "batch.global_batch=1024",
+                                            "data.train_size=60000"])
+    assert dry_run(cfg, 2)["peak_lr"] == pytest.approx(0.01 * math.sqrt(1024 / 256))
+    model = torch.nn.Linear(2, 1, bias=True)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 4.0]]))
+        model.bias.fill_(1.0)
+    opt = build_optimizer(cfg.optim, model, lr=0.02)
+    assert isinstance(opt, LAMB)
+    g = torch.tensor([[0.3, -0.4]])
+    model.weight.grad, model.bias.grad = g.clone(), torch.tensor([2.0])
+    opt.step()
+    # Step 1 by hand: m_hat = g, v_hat = g^2, r = g / (|g| + eps) = sign(g); u = r + 0.1 w;
+    # ratio = ||w|| / ||u||; w -= lr * ratio * u. The bias (excluded): w -= lr * sign(g), no decay/trust ratio.
+    w = torch.tensor([[3.0, 4.0]])
+    r = g / (g.abs() + 1e-6)
+    u = r + 0.1 * w
+    want = w - 0.02 * (w.norm() / u.norm()) * u
+    assert torch.allclose(model.weight.detach(), want, atol=1e-6)
+    assert model.bias.item() == pytest.approx(1.0 - 0.02 * 2.0 / (2.0 + 1e-6))
+    cfg_lars = config_mod.load("fashion_mnist_lars_32k")
+    assert isinstance(build_optimizer(cfg_lars.optim, model, lr=1.0), LARS)
