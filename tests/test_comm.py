@@ -59,6 +59,8 @@ def _same_on_all_ranks(t: torch.Tensor) -> bool:
 def _check(p: int, rank: int, n: int, case: int, algorithm: str, compression: str = "none",
            dtype: torch.dtype = torch.float32, **options) -> None:
     xs = _inputs(p, n, case, dtype)
+    if algorithm != "native":
+        options.setdefault("small_bytes", 0)        # run the algorithm itself, not the small-message fast path
     got = comm.allreduce(xs[rank].clone(), algorithm, compression=compression, **options)
     what = f"{algorithm} {options} compression={compression} n={n} p={p} dtype={dtype}"
     assert got.dtype == dtype and got.shape == (n,), what
@@ -170,6 +172,11 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
             for dtype in (torch.int32, torch.int64, torch.float64):
                 case += 1
                 _check(p, rank, 1009, case, algorithm, dtype=dtype)
+        # the small-message fast path hands small tensors to native: bit-identical to it
+        x = _inputs(p, 1009, 7, torch.float32)[rank]
+        ref = comm.allreduce(x.clone(), "native")
+        for algorithm in [a for a in comm.ALGORITHMS if a != "native"]:
+            assert torch.equal(comm.allreduce(x.clone(), algorithm, small_bytes=4036 + 1), ref), algorithm
         # a non-contiguous tensor is reduced in place too
         m = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
         comm.allreduce(m, "ring")

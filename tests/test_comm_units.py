@@ -16,6 +16,7 @@ from largebatch.comm.chunking import bounds
 from largebatch.comm.hook import CommHookState
 from largebatch.comm.topology import resolve_grid, resolve_local_size
 from largebatch.errors import UserError
+from largebatch.perf.topology import Topology
 
 
 @pytest.mark.parametrize("n, parts", [(0, 3), (1, 4), (5, 8), (1009, 6), (262147, 8), (12, 4)])
@@ -55,22 +56,45 @@ def test_hook_state_validates_and_pickles_fields_only() -> None:
     assert repr(back) == repr(state) and back.process_group is None and back._thread is None
 
 
-def test_cost_formulas_and_fit() -> None:
-    n = 64 << 20
-    for p in (4, 8):          # torus2d and hierarchical move the ring's bytes (Mikami et al.)
-        ring_b = cost.coefficients("ring", p, n)[1]
-        assert math.isclose(cost.coefficients("torus2d", p, n, grid=f"2x{p // 2}")[1], ring_b)
-        assert math.isclose(cost.coefficients("hierarchical", p, n, local_size=2, inter="ring")[1], ring_b)
-    assert cost.coefficients("torus2d", 8, n, grid="4x2")[0] == 2 * 3 + 2 * 1
-    assert cost.coefficients("halving_doubling", 8, n)[0] == 6
-    a6, b6 = cost.coefficients("halving_doubling", 6, n)        # fold + unfold on top of p2 = 4
-    assert a6 == 2 * 2 + 2 and math.isclose(b6, 1.5 * n + 2 * n)
-    sizes = [4096 * 4 ** k for k in range(8)]
-    for name, layout in (("ring", {}), ("halving_doubling", {}), ("torus2d", {"grid": "2x2"})):
-        times = [cost.predict(name, 4, s, 50e-6, 1e-9, **layout) * (1.02 if i % 2 else 0.98)
-                 for i, s in enumerate(sizes)]
-        alpha, beta = cost.fit(name, 4, sizes, times, **layout)
-        assert abs(alpha / 50e-6 - 1) < 0.05 and abs(beta / 1e-9 - 1) < 0.05
+def test_cost_is_the_perf_model_on_measured_links() -> None:
+    from largebatch.perf import halving_doubling, hierarchical, ring, torus2d
+    from largebatch.perf.catalog import Link
+
+    intra, inter = Link("i", 1e-3, 1e6), Link("e", 2e-3, 1e6)
+    topo = cost.topology(4, 2, intra, inter, gamma=1e-9)
+    n = 4000
+    assert cost.predict("ring", n, topo) == ring.cost(n, topo) == cost.predict("native", n, topo)
+    assert cost.predict("halving_doubling", n, topo) == halving_doubling.cost(n, topo)
+    assert cost.predict("torus2d", n, topo) == torus2d.cost(n, topo, 2)          # default grid K x nodes
+    assert cost.predict("torus2d", n, topo, grid="4x1") == torus2d.cost(n, topo, 4)
+    assert cost.predict("hierarchical", n, topo, inter="ring") == hierarchical.cost(n, topo, "ring")
+    # below small_bytes a p2p algorithm runs (and is predicted as) native
+    assert cost.predict("halving_doubling", n, topo, small_bytes=n + 1) == ring.cost(n, topo)
+    assert cost.predict("halving_doubling", n, topo, small_bytes=n) == halving_doubling.cost(n, topo)
+    # one node: no inter-node link is needed
+    assert cost.predict("ring", n, cost.topology(4, 4, intra, None)) == ring.cost(n, Topology(4, 4, intra, intra))
+
+
+def test_fit_link_recovers_alpha_and_bandwidth() -> None:
+    sizes = [1024 * 4 ** k for k in range(8)]
+    for flows in (1, 2):
+        times = [(50e-6 + flows * m / 2e8) * (1.02 if i % 2 else 0.98) for i, m in enumerate(sizes)]
+        link = cost.fit_link("x", sizes, times, flows)
+        assert abs(link.alpha_s / 50e-6 - 1) < 0.05 and abs(link.bandwidth_Bps / 2e8 - 1) < 0.05
+    assert math.isclose(cost.fit_gamma([1e5, 1e6], [1e-5, 1e-4]), 1e-10)
+    alpha_only = cost.fit_link("x", sizes, [1e-3] * len(sizes))         # flat times: latency only, B infinite
+    assert math.isclose(alpha_only.alpha_s, 1e-3) and alpha_only.bandwidth_Bps == float("inf")
+
+
+def test_small_bytes_option() -> None:
+    assert dict(comm.resolve("ring", {}).options)["small_bytes"] == comm.SMALL_BYTES
+    assert dict(comm.resolve("ring", {"small_bytes": 0}).options)["small_bytes"] == 0
+    with pytest.raises(UserError, match="small_bytes=-1"):
+        comm.resolve("torus2d", {"small_bytes": -1})
+    with pytest.raises(UserError, match="do not apply to algorithm native"):
+        comm.resolve("native", {"small_bytes": 10})
+    state = CommHookState("ring", small_bytes=0)
+    assert pickle.loads(pickle.dumps(state)).small_bytes == 0
 
 
 def test_parse_sizes() -> None:
@@ -95,6 +119,8 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
     for r in data["rows"]:
         assert r["time_s"] > 0 and math.isclose(r["busbw_GBps"], r["algbw_GBps"] * 2 * (2 - 1) / 2)
     assert set(data["fits"]) == {"native", "ring", "halving_doubling"}
+    assert data["links"]["intra"]["bandwidth_Bps"] > 0 and data["links"]["gamma_s_per_byte"] > 0
+    assert all(r["predicted_s"] > 0 for r in data["rows"])
     assert png.stat().st_size > 1000 and "busbw(GB/s)" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "largebatch", "bench", "allreduce", "--algorithms", "rign"],
                          capture_output=True, text=True, timeout=60)

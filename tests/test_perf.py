@@ -61,9 +61,22 @@ def test_torus2d_three_by_two_one_node():
 
 
 def test_hierarchical_two_nodes_of_two():
-    # intra reduce-scatter 3 ms + gather 3 ms; roots 0 and 2 exchange 2000 B twice across nodes
-    # (2 ms + 2 ms each); broadcast 3 ms + 3 ms.
-    assert hierarchical.cost(4000, topo(4, 2)) == pytest.approx(20e-3)
+    # intra reduce-scatter: 1 step of 2000 B (1 ms + 2 ms); local ranks 0 (ranks 0, 2) and 1 (1, 3)
+    # each all-reduce 2000 B across nodes by halving/doubling: one exchange of 1000 B each way,
+    # 2 flows leave each node: 2 x (2 ms + 2 x 1000 B / 1 MB/s); all-gather 3 ms.
+    assert hierarchical.cost(4000, topo(4, 2)) == pytest.approx(14e-3)
+    # inter=ring over 2 nodes: the same two steps here
+    assert hierarchical.cost(4000, topo(4, 2), inter="ring") == pytest.approx(14e-3)
+    # one node: a ring reduce-scatter + all-gather, i.e. the ring
+    assert hierarchical.cost(4000, topo(4, 4)) == pytest.approx(ring.cost(4000, topo(4, 4)))
+
+
+def test_hierarchical_matches_comm_layout_three_nodes():
+    # 6 ranks, 2 per node: 1 + 1 intra steps of 3000 B (1 ms + 3 ms); cross groups (0,2,4), (1,3,5)
+    # of 3000 B by halving/doubling with a fold: fold 2 ms + 2 x 3000 B / 1 MB/s = 8 ms (2 flows
+    # leave node 0); one exchange of 1500 B between the active ranks (node 1 <-> node 2) each way:
+    # 2 x (2 ms + 2 x 1500 B / 1 MB/s) = 10 ms; unfold 8 ms.
+    assert hierarchical.cost(6000, topo(6, 2)) == pytest.approx(4e-3 + 8e-3 + 10e-3 + 8e-3 + 4e-3)
 
 
 def test_tree_two_nodes_of_two():

@@ -11,10 +11,14 @@
    the end). The time is the slowest rank's mean (taken after the timed region).
 3. Report in the nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(p-1)/p,
    and busbw relative to ``native`` at the same size.
-4. Fit alpha (s) and beta (s/byte) per algorithm to the timings
-   (`largebatch.comm.cost.fit`) and print measured against predicted times.
-5. Rank 0 writes ``--json`` (all rows, fits, command, machine) and ``--plot`` (busbw
-   against size, matplotlib Agg).
+4. Predict each algorithm's time from measured *links*, not from its own timings
+   (`largebatch.comm.cost`): time one p2p step (`largebatch.comm.p2p.exchange`, all
+   ranks at once) on the intra-node ring and, with 2+ nodes, across nodes, for message
+   sizes 1 KB .. half the largest size; fit alpha and bandwidth per link; time ``add_``
+   for gamma; then `largebatch.perf`'s cost function of each algorithm on that
+   topology gives the prediction, printed beside the measurement with the error.
+5. Rank 0 writes ``--json`` (all rows, links, errors, command, machine, load) and
+   ``--plot`` (busbw against size, matplotlib Agg).
 
 ``--training``: instead of 2.-4., run the same DDP training steps (a small ResNet-18
 on synthetic images, bucket ``--bucket-mb``) with DDP's own all-reduce, with each
@@ -91,6 +95,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
     ap.add_argument("--grid", default=None, help="torus2d grid XxY (default: processes per node x nodes)")
     ap.add_argument("--local-size", type=int, default=None, help="hierarchical processes per node")
+    ap.add_argument("--small-bytes", type=int, default=None,
+                    help="p2p algorithms hand tensors below this many bytes to native (default: "
+                         "largebatch.comm.SMALL_BYTES; 0 = always run the algorithm itself)")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument("--plot", default=None, help="write a PNG of busbw against size here (rank 0)")
     ap.add_argument("--training", action="store_true", help="exposed comm time per DDP training step instead")
@@ -162,10 +169,11 @@ def main(argv: list[str]) -> int:
                 _write_json(args, {"training": rows, "world_size": info.world_size})
         else:
             rows = measure(args, device, info.world_size)
+            links = measure_links(args, device, info.world_size, info.local_world_size)
             if info.is_main:
-                fits = _fits(rows, info.world_size, args)
-                _print_table(rows, fits, info.world_size, args)
-                _write_json(args, {"rows": rows, "fits": fits, "world_size": info.world_size,
+                fits = _predict(rows, links, info.world_size, info.local_world_size, args)
+                _print_table(rows, fits, links, info.world_size, args)
+                _write_json(args, {"rows": rows, "fits": fits, "links": links, "world_size": info.world_size,
                                    "nodes": info.num_nodes, "local_world_size": info.local_world_size})
                 if args.plot:
                     _plot(rows, args.plot, info.world_size, info.num_nodes)
@@ -176,6 +184,8 @@ def main(argv: list[str]) -> int:
 
 def _options(name: str, args: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"compression": args.compression}
+    if name != "native":
+        opts["small_bytes"] = args.small_bytes
     if name == "torus2d":
         opts["grid"] = args.grid
     if name == "hierarchical":
@@ -216,55 +226,120 @@ def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _layout(name: str, args: Any, p: int) -> dict[str, Any]:
-    """The grid / node size the algorithm actually used (for the cost model)."""
-    from largebatch.comm.topology import local_world_size
+def _step_time(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, iters: int) -> float:
+    """Slowest rank's mean seconds of one `exchange` step (all ranks at once)."""
+    from largebatch.comm.p2p import exchange
 
-    if name == "torus2d":
-        if args.grid:
-            return {"grid": args.grid}
-        x = local_world_size(p)
-        return {"grid": f"{x}x{p // x}"}
-    if name == "hierarchical":
-        return {"local_size": args.local_size or local_world_size(p)}
-    return {}
+    exchange(send, dst, recv, src, None)                              # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        exchange(send, dst, recv, src, None)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                    # host sync, outside the timed region
+    return float(elapsed.item())
 
 
-def _fits(rows: list[dict[str, Any]], p: int, args: Any) -> dict[str, dict[str, float]]:
-    """Step 4: alpha, beta per algorithm, and each row's predicted time."""
-    fits = {}
-    for name in dict.fromkeys(r["algorithm"] for r in rows):
-        mine = [r for r in rows if r["algorithm"] == name]
-        layout = _layout(name, args, p)
-        alpha, beta = cost.fit(name, p, [r["bytes"] for r in mine], [r["time_s"] for r in mine], **layout)
-        errs = []
-        for r in mine:
-            r["predicted_s"] = cost.predict(name, p, r["bytes"], alpha, beta, **layout)
-            errs.append(abs(r["predicted_s"] / r["time_s"] - 1))
-        fits[name] = {"alpha_s": alpha, "beta_s_per_byte": beta, "max_rel_error": max(errs), **layout}
+def measure_links(args: Any, device: torch.device, p: int, k: int) -> dict[str, Any]:
+    """Step 4a: step times on the intra-node ring and across nodes, and ``add_`` times, fitted per link."""
+    rank = dist.get_rank()
+    top = max(args.size_list) // 2
+    sizes = [1024]
+    while sizes[-1] * 4 <= top:
+        sizes.append(sizes[-1] * 4)
+    out: dict[str, Any] = {"message_bytes": sizes}
+    node0 = rank - rank % k
+    patterns = {}
+    if k > 1:
+        patterns["intra"] = (node0 + (rank + 1) % k, node0 + (rank - 1) % k, 1)
+    if p > k:
+        patterns["inter"] = ((rank + k) % p, (rank - k) % p, k)       # k flows leave each node
+    for name, (dst, src, flows) in patterns.items():
+        times = []
+        for m in sizes:
+            buf = torch.zeros(2, m // 4, dtype=torch.float32, device=device)
+            times.append(_step_time(buf[0], dst, buf[1], src, _iters(4 * m)))
+        link = cost.fit_link(name, sizes, times, flows)
+        out[name] = {"alpha_s": link.alpha_s, "bandwidth_Bps": link.bandwidth_Bps, "flows": flows,
+                     "step_times_s": times}
+    add_times = []
+    add_sizes = [m for m in sizes if m >= 64 << 10] or sizes[-1:]
+    for m in add_sizes:                                               # gamma: every rank adds at once
+        x = torch.ones(2, m // 4, dtype=torch.float32, device=device)
+        iters = _iters(4 * m)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            x[0].add_(x[1])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                # host sync, outside the timed region
+        add_times.append(float(elapsed.item()))
+    out["gamma_s_per_byte"] = cost.fit_gamma(add_sizes, add_times)
+    out["add_times_s"] = dict(zip(map(str, add_sizes), add_times))
+    return out
+
+
+def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, args: Any) -> dict[str, dict]:
+    """Step 4b: each row's predicted time from the measured links; max relative error per algorithm."""
+    from largebatch.comm import SMALL_BYTES
+    from largebatch.perf.catalog import Link
+
+    def link(name: str) -> Optional[Link]:
+        f = links.get(name)
+        return Link(name, f["alpha_s"], f["bandwidth_Bps"]) if f else None
+
+    intra = link("intra") or link("inter")
+    topo = cost.topology(p, k, intra, link("inter"), links["gamma_s_per_byte"])
+    small = SMALL_BYTES if args.small_bytes is None else args.small_bytes
+    fits: dict[str, dict] = {}
+    for r in rows:
+        name = r["algorithm"]
+        if name == "hierarchical" and args.local_size not in (None, k):
+            r["predicted_s"] = None                                   # no model for a non-physical node size
+            continue
+        r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
+                                        small_bytes=0 if name == "native" else small)
+        r["error"] = r["predicted_s"] / r["time_s"] - 1
+        f = fits.setdefault(name, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
+        f["max_abs_error"] = max(f["max_abs_error"], abs(r["error"]))
+        f["points"] += 1
+        f["within_25pct"] += abs(r["error"]) <= 0.25
     return fits
 
 
-def _print_table(rows: list[dict[str, Any]], fits: dict, p: int, args: Any) -> None:
+def _print_table(rows: list[dict[str, Any]], fits: dict, links: dict, p: int, args: Any) -> None:
     native = {r["bytes"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "native"}
-    print(f"# all-reduce, {p} processes, float32, compression={args.compression}; busbw = algbw * 2(p-1)/p")
+    print(f"# all-reduce, {p} processes, float32, compression={args.compression}; busbw = algbw * 2(p-1)/p; "
+          f"pred = largebatch.perf cost on the measured links")
     print(f"{'size':>8} {'algorithm':>17} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
-          f"{'vs native':>9} {'pred(us)':>10}")
+          f"{'vs native':>9} {'pred(us)':>10} {'error':>7}")
     for r in rows:
+        pred = r.get("predicted_s")
+        tail = f"{pred * 1e6:>10.1f} {r['error']:>+7.0%}" if pred is not None else f"{'-':>10} {'-':>7}"
         print(f"{human(r['bytes']):>8} {r['algorithm']:>17} {r['time_s'] * 1e6:>11.1f} {r['algbw_GBps']:>12.3f} "
-              f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {r['predicted_s'] * 1e6:>10.1f}")
-    print("# alpha-beta fit per algorithm (least squares on relative error)")
+              f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {tail}")
+    print("# links (one exchange step, all ranks at once; fitted alpha + flows * m / B, least squares on relative error)")
+    for name in ("intra", "inter"):
+        if name in links:
+            f = links[name]
+            print(f"{name:>17}: alpha = {f['alpha_s'] * 1e6:8.1f} us, B = {f['bandwidth_Bps'] / 1e9:7.3f} GB/s "
+                  f"per flow-share ({f['flows']} flow(s) per node in the measured step)")
+    g = links["gamma_s_per_byte"]
+    print(f"{'gamma (add_)':>17}: {g * 1e9:.3f} ns/byte = {(1 / g / 1e9 if g else float('inf')):.2f} GB/s")
+    print("# load average (1, 5, 15 min): " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
+    print("# prediction error per algorithm")
     for name, f in fits.items():
-        print(f"{name:>17}: alpha = {f['alpha_s'] * 1e6:8.1f} us, 1/beta = "
-              f"{(1 / f['beta_s_per_byte'] / 1e9 if f['beta_s_per_byte'] else float('inf')):7.3f} GB/s, "
-              f"max |pred/measured - 1| = {f['max_rel_error']:.0%}")
+        print(f"{name:>17}: max |pred/measured - 1| = {f['max_abs_error']:.0%}, "
+              f"{f['within_25pct']}/{f['points']} sizes within 25%")
 
 
 def _write_json(args: Any, payload: dict[str, Any]) -> None:
     if not args.json:
         return
     payload = {"command": "largebatch bench allreduce " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "allreduce"] else sys.argv[1:]),
-               "machine": MACHINE, **payload}
+               "machine": MACHINE, "load_average_1_5_15": list(os.getloadavg()), **payload}
     with open(args.json, "w") as f:
         json.dump(payload, f, indent=1)
 

@@ -13,9 +13,16 @@ hierarchical       node reduce-scatter, cross-node all-reduce, node all-gather
 
 Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
 `largebatch.comm.compression`), ``grid="XxY"`` (torus2d), ``local_size=K`` and
-``inter=halving_doubling|ring|native`` (hierarchical). ``None`` values are
-ignored, so a config section can pass all its fields; a set option that the
+``inter=halving_doubling|ring|native`` (hierarchical), ``small_bytes=B`` (every
+p2p algorithm: tensors of fewer than ``B`` bytes go to ``native`` instead, the
+small-message fast path; default `SMALL_BYTES`, 0 turns it off). ``None`` values
+are ignored, so a config section can pass all its fields; a set option that the
 algorithm does not read is a UserError.
+
+The fast path is the same latency/bandwidth switch as NCCL's tree/ring choice:
+below a few hundred KB an all-reduce is latency-bound, and the backend's C++
+collective takes far fewer host round trips than a Python-driven sequence of
+point-to-point steps (see docs/communication.md for the measured crossover).
 
 ``register(ddp_model, algorithm, **options)`` installs the chosen algorithm as
 DDP's comm hook (`largebatch.comm.hook`); ``algorithm="noop"`` communicates
@@ -42,10 +49,16 @@ ALGORITHMS: dict[str, Callable[..., None]] = {
     "hierarchical": hierarchical.allreduce,
 }
 # Algorithm-specific options (beyond `compression`) and their defaults.
+# Below this many bytes the p2p algorithms hand the tensor to `native` (the
+# small-message fast path; option ``small_bytes``, 0 = off). Chosen from the
+# measured crossover on 4 local gloo processes (docs/communication.md).
+SMALL_BYTES = 256 << 10
 OPTIONS: dict[str, dict[str, Any]] = {
-    "native": {}, "ring": {}, "halving_doubling": {},
-    "torus2d": {"grid": None},
-    "hierarchical": {"local_size": None, "inter": "halving_doubling"},
+    "native": {},
+    "ring": {"small_bytes": SMALL_BYTES},
+    "halving_doubling": {"small_bytes": SMALL_BYTES},
+    "torus2d": {"grid": None, "small_bytes": SMALL_BYTES},
+    "hierarchical": {"local_size": None, "inter": "halving_doubling", "small_bytes": SMALL_BYTES},
 }
 HOOK_ONLY = ("noop",)
 
@@ -77,6 +90,11 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
     if "inter" in merged and merged["inter"] not in hierarchical.INTER:
         raise UserError(f"hierarchical inter={merged['inter']!r} is unknown; "
                         f"choose one of: {', '.join(hierarchical.INTER)}.")
+    if "small_bytes" in merged:
+        sb = merged["small_bytes"]
+        if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:
+            raise UserError(f"small_bytes={sb!r} must be a whole number of bytes >= 0 (0 turns the "
+                            f"small-message fast path off).")
     if "grid" in merged and merged["grid"] is not None:
         from largebatch.comm.topology import parse_grid
 
@@ -105,9 +123,13 @@ def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = N
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
     if p > 1 and flat.numel():
+        opts = dict(spec.options)
+        algorithm = spec.algorithm
+        if flat.numel() * flat.element_size() < opts.pop("small_bytes", 0):
+            algorithm, opts = "native", {}              # small-message fast path (latency-bound)
         if codec.lossy:
             flat.div_(p)                                # pre-scale: no fp16 overflow on the wire
-        ALGORITHMS[spec.algorithm](flat, ranks, i, group, codec, **dict(spec.options))
+        ALGORITHMS[algorithm](flat, ranks, i, group, codec, **opts)
         if codec.lossy and not average:
             flat.mul_(p)
         elif not codec.lossy and average:

@@ -1,70 +1,39 @@
-"""Alpha-beta cost of each all-reduce as implemented here, and a fit of alpha and beta to timings.
+"""Predicted time of each all-reduce from measured links, with `largebatch.perf`'s cost functions.
 
-An algorithm's time is modelled as ``T(n) = a * alpha + b(n) * beta``: ``a`` message
-steps of latency ``alpha`` (s) on its critical path and ``b(n)`` bytes sent per
-rank at ``beta`` s/byte (beta absorbs the ``add_`` of the reduction too). For
-``p`` ranks and ``n`` bytes:
+One cost model serves the planner and this package: `largebatch.perf` describes each algorithm
+as a sequence of steps on a two-level topology (`largebatch.perf.topology`: alpha + bytes / B
+per step on intra-node and inter-node links, flows leaving a node share its links, gamma per
+reduced byte), and its ring / halving_doubling / torus2d / hierarchical functions follow the
+same steps as the files of `largebatch.comm`. Here:
 
-=================  ===========================  =====================================
-ring, native       a = 2(p-1)                   b = 2(p-1)/p n
-halving_doubling   a = 2 log2 p2 (+2 if r > 0)  b = 2(p2-1)/p2 n (+2n if r > 0)
-torus2d X x Y      a = 2(X-1) + 2(Y-1)          b = 2(X-1)/X n + 2(Y-1)/Y n/X
-hierarchical K     a = 2(K-1) + a_inter(p/K)    b = 2(K-1)/K n + b_inter(p/K, n/K)
-=================  ===========================  =====================================
+1. The links are *measured*, not fitted per algorithm (`largebatch bench allreduce` does it):
+   one step of `largebatch.comm.p2p.exchange`, every rank at once, on the intra-node ring
+   (each rank sends to the next rank of its node) and, with two or more nodes, across nodes
+   (each rank sends to the same local rank of the next node, so K flows leave each node),
+   for a range of message sizes; and the local ``add_`` of m bytes (gamma).
+2. `fit_link`: alpha and beta of one link from those step times, ``T(m) = alpha + f m beta``
+   (f flows sharing the link), by least squares on the *relative* error (each timing weighted
+   by 1/T, so small and large messages count alike), both kept non-negative.
+3. `topology`: the perf `Topology` of the run (p ranks, K per node, the two links, gamma).
+4. `predict`: the perf cost function of the algorithm on that topology; ``native`` (gloo's or
+   NCCL's own all-reduce) is modelled as a ring; a p2p algorithm below its ``small_bytes``
+   threshold runs ``native`` (the small-message fast path) and is predicted as such.
 
-with ``p2`` the largest power of two <= p and ``r = p - p2``; ``native`` (gloo's or
-NCCL's own algorithm) is modelled as a ring. `largebatch.perf` models the same
-ring / halving-doubling / torus costs on a two-level topology; its hierarchical
-model is the leader-based variant (reduce to one rank per node), not the
-reduce-scatter variant implemented in `largebatch.comm.hierarchical`, so these
-formulas are kept here, next to the code they describe.
-
-`fit` finds alpha and beta by least squares on the *relative* error (each timing
-weighted by 1/T), so that small and large messages count alike, with alpha and
-beta kept non-negative.
+So each algorithm's prediction is a prediction: no timing of that algorithm goes into it.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 from largebatch.comm.topology import parse_grid
+from largebatch.perf import halving_doubling, hierarchical, ring, torus2d
+from largebatch.perf.catalog import Link
+from largebatch.perf.topology import Topology
 
 
-def coefficients(algorithm: str, p: int, nbytes: float, grid: Optional[str] = None,
-                 local_size: Optional[int] = None, inter: str = "halving_doubling") -> tuple[float, float]:
-    """``(a, b)`` with ``T = a * alpha + b * beta`` for one all-reduce of ``nbytes`` over ``p`` ranks."""
-    if p < 2:
-        return 0.0, 0.0
-    if algorithm in ("ring", "native"):
-        return 2.0 * (p - 1), 2.0 * (p - 1) / p * nbytes
-    if algorithm == "halving_doubling":
-        p2 = 1 << (p.bit_length() - 1)
-        a, b = 2.0 * math.log2(p2), 2.0 * (p2 - 1) / p2 * nbytes
-        if p > p2:
-            a, b = a + 2.0, b + 2.0 * nbytes
-        return a, b
-    if algorithm == "torus2d":
-        x, y = parse_grid(grid) if grid else (p, 1)
-        a_col, b_col = coefficients("ring", y, nbytes / x)
-        return 2.0 * (x - 1) + a_col, 2.0 * (x - 1) / x * nbytes + b_col
-    if algorithm == "hierarchical":
-        k = local_size or p
-        a_in, b_in = coefficients(inter if inter != "native" else "ring", p // k, nbytes / k)
-        return 2.0 * (k - 1) + a_in, 2.0 * (k - 1) / k * nbytes + b_in
-    raise ValueError(f"no cost model for {algorithm!r}")
-
-
-def predict(algorithm: str, p: int, nbytes: float, alpha: float, beta: float, **layout) -> float:
-    """Predicted seconds of one all-reduce."""
-    a, b = coefficients(algorithm, p, nbytes, **layout)
-    return a * alpha + b * beta
-
-
-def fit(algorithm: str, p: int, sizes: Sequence[float], times: Sequence[float], **layout) -> tuple[float, float]:
-    """``(alpha, beta)`` minimising sum(((a alpha + b_i beta) / t_i - 1)^2), both >= 0."""
-    rows = [coefficients(algorithm, p, n, **layout) for n in sizes]
-    xs = [(a / t, b / t) for (a, b), t in zip(rows, times)]
+def fit(coeffs: Sequence[tuple[float, float]], times: Sequence[float]) -> tuple[float, float]:
+    """``(x, y)`` >= 0 minimising sum(((a_i x + b_i y) / t_i - 1)^2) for rows ``(a_i, b_i)``."""
+    xs = [(a / t, b / t) for (a, b), t in zip(coeffs, times)]
     s11 = sum(u * u for u, _ in xs)
     s12 = sum(u * v for u, v in xs)
     s22 = sum(v * v for _, v in xs)
@@ -72,14 +41,53 @@ def fit(algorithm: str, p: int, sizes: Sequence[float], times: Sequence[float], 
     r2 = sum(v for _, v in xs)
     det = s11 * s22 - s12 * s12
     if det > 0:
-        alpha, beta = (r1 * s22 - r2 * s12) / det, (r2 * s11 - r1 * s12) / det
-        if alpha >= 0 and beta >= 0:
-            return alpha, beta
+        x, y = (r1 * s22 - r2 * s12) / det, (r2 * s11 - r1 * s12) / det
+        if x >= 0 and y >= 0:
+            return x, y
     # one of them would be negative: fit the other alone
-    only_alpha = (r1 / s11 if s11 else 0.0, 0.0)
-    only_beta = (0.0, r2 / s22 if s22 else 0.0)
+    only_x = (r1 / s11 if s11 else 0.0, 0.0)
+    only_y = (0.0, r2 / s22 if s22 else 0.0)
 
-    def loss(ab: tuple[float, float]) -> float:
-        return sum((u * ab[0] + v * ab[1] - 1.0) ** 2 for u, v in xs)
+    def loss(xy: tuple[float, float]) -> float:
+        return sum((u * xy[0] + v * xy[1] - 1.0) ** 2 for u, v in xs)
 
-    return min(only_alpha, only_beta, key=loss)
+    return min(only_x, only_y, key=loss)
+
+
+def fit_link(name: str, sizes: Sequence[float], times: Sequence[float], flows: int = 1) -> Link:
+    """Step 2: the `Link` (alpha, bandwidth) whose step time ``alpha + flows * m / B`` fits ``times``."""
+    alpha, beta = fit([(1.0, flows * m) for m in sizes], times)
+    return Link(name, alpha, 1.0 / beta if beta > 0 else float("inf"), source="measured step times")
+
+
+def fit_gamma(sizes: Sequence[float], times: Sequence[float]) -> float:
+    """Seconds per reduced byte from timings of ``add_`` on ``sizes`` bytes (through the origin)."""
+    return fit([(0.0, m) for m in sizes], times)[1]
+
+
+def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma: float = 0.0) -> Topology:
+    """Step 3: ``p`` ranks, ``local_size`` per node; one node needs no inter-node link."""
+    return Topology(p, local_size, intra, inter if inter is not None else intra, 1, gamma)
+
+
+def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] = None,
+            inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None) -> float:
+    """Step 4: predicted seconds of one all-reduce of ``nbytes`` on ``topo``.
+
+    ``grid`` (torus2d "XxY") defaults to K x nodes like the implementation; ``local_size``, when
+    given, must be the topology's (hierarchical always uses the node size of ``topo``).
+    """
+    if local_size is not None and local_size != topo.devices_per_node:
+        raise ValueError(f"local_size {local_size} differs from the topology's {topo.devices_per_node}")
+    if algorithm != "native" and nbytes < small_bytes:
+        algorithm = "native"                                     # the small-message fast path
+    if algorithm in ("native", "ring"):
+        return ring.cost(nbytes, topo)
+    if algorithm == "halving_doubling":
+        return halving_doubling.cost(nbytes, topo)
+    if algorithm == "torus2d":
+        x = parse_grid(grid)[0] if grid else topo.devices_per_node
+        return torus2d.cost(nbytes, topo, x)
+    if algorithm == "hierarchical":
+        return hierarchical.cost(nbytes, topo, inter)
+    raise ValueError(f"no cost model for {algorithm!r}")

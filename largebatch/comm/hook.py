@@ -46,18 +46,19 @@ class CommHookState:
     """Validated hook configuration plus (unpicklable) runtime resources.
 
     Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``),
-    ``compression``, ``grid``, ``local_size``, ``inter``, ``timeout_s``.
+    ``compression``, ``grid``, ``local_size``, ``inter``, ``small_bytes``, ``timeout_s``.
     """
 
-    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "timeout_s")
+    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "small_bytes", "timeout_s")
 
     def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
                  local_size: Optional[int] = None, inter: Optional[str] = None,
-                 timeout_s: Optional[float] = None) -> None:
-        self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid,
-                                              "local_size": local_size, "inter": inter}, allow_noop=True)
+                 small_bytes: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
+        self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid, "local_size": local_size,
+                                              "inter": inter, "small_bytes": small_bytes}, allow_noop=True)
         self.algorithm, self.compression = algorithm, compression
         self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
+        self.small_bytes = small_bytes
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:

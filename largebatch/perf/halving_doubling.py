@@ -22,29 +22,37 @@ from typing import Sequence
 from largebatch.perf.topology import Topology
 
 
-def cost(nbytes: float, topo: Topology, ranks: Sequence[int] | None = None) -> float:
-    """Seconds for one halving/doubling all-reduce of `nbytes` over `ranks` (default: all)."""
-    ranks = list(range(topo.devices)) if ranks is None else list(ranks)
-    p = len(ranks)
-    if p < 2:
+def cost(nbytes: float, topo: Topology, ranks: Sequence[int] | None = None,
+         groups: Sequence[Sequence[int]] | None = None) -> float:
+    """Seconds for one halving/doubling all-reduce of `nbytes` over `ranks` (default: all devices).
+
+    `groups` instead runs one all-reduce per group at the same time (equal sizes), each step's
+    edges of all groups together, so flows of different groups share a node's links (the
+    cross-node phase of `largebatch.perf.hierarchical`).
+    """
+    if groups is None:
+        groups = [list(range(topo.devices)) if ranks is None else list(ranks)]
+    groups = [list(g) for g in groups if len(g) > 1]
+    if not groups:
         return 0.0
+    p = len(groups[0])
     p2 = 1 << (p.bit_length() - 1)
     r = p - p2
     t = 0.0
     if r:  # 1. fold the extra ranks in
-        pairs = [(ranks[2 * i], ranks[2 * i + 1]) for i in range(r)]
+        pairs = [(g[2 * i], g[2 * i + 1]) for g in groups for i in range(r)]
         t += topo.step(pairs, nbytes, reduce=True)
-    active = [ranks[2 * i + 1] for i in range(r)] + ranks[2 * r:]
+    actives = [[g[2 * i + 1] for i in range(r)] + g[2 * r:] for g in groups]
     steps = p2.bit_length() - 1
     halving = 0.0
     doubling = 0.0
     for k in range(steps):
         d = 1 << k
-        edges = [(active[i], active[i ^ d]) for i in range(p2)]
+        edges = [(a[i], a[i ^ d]) for a in actives for i in range(p2)]
         m = nbytes / (1 << (k + 1))
         halving += topo.step(edges, m, reduce=True)  # 2.
         doubling += topo.step(edges, m)              # 3.
     t += halving + doubling
     if r:  # 4. send the result back
-        t += topo.step([(ranks[2 * i + 1], ranks[2 * i]) for i in range(r)], nbytes)
+        t += topo.step([(g[2 * i + 1], g[2 * i]) for g in groups for i in range(r)], nbytes)
     return t

@@ -1,31 +1,47 @@
-"""Hierarchical all-reduce as Goyal et al. (arXiv 1706.02677) ran it: reduce inside each server,
-all-reduce across servers, broadcast inside each server.
+"""Hierarchical all-reduce: reduce-scatter inside each node, all-reduce across nodes, all-gather inside.
 
-With g devices per node and n nodes:
+The layout of `largebatch.comm.hierarchical` (one definition for the performance model and the
+implementation): the structure of Goyal et al. (arXiv 1706.02677, section 4: intra-server reduce,
+inter-server recursive halving/doubling, intra-server broadcast) and of Horovod's hierarchical
+all-reduce, with the intra-node reduce and broadcast replaced by the bandwidth-optimal ring
+reduce-scatter and all-gather. With g devices per node (K = g) and n nodes:
 
-1. Intra-node reduce to the node's first device: a ring reduce-scatter (g-1 steps of S/g) then a
-   gather of the g-1 reduced chunks to the root (g-1 steps of S/g).
-2. Inter-node all-reduce of the full S bytes among the n roots by recursive halving/doubling
-   (one flow per node).
-3. Intra-node broadcast from the root: scatter (g-1 steps of S/g) then ring all-gather
-   (g-1 steps of S/g).
+1. Intra-node ring reduce-scatter: g-1 steps of S/g; local rank j then holds the node sum of 1/g
+   of the gradient.
+2. Inter-node all-reduce of those S/g bytes among the devices of the same local rank, `inter`
+   (recursive halving/doubling by default, as in Goyal et al.; or a ring), all g of them at once,
+   so g flows leave each node and share its links. The bytes crossing a node's links equal those
+   of Goyal's one-root-per-node layout; the intra-node part takes 2(g-1) steps of S/g instead of
+   Goyal's 4(g-1) (reduce = reduce-scatter + gather, broadcast = scatter + all-gather).
+3. Intra-node ring all-gather: g-1 steps of S/g.
+
+A partial last node (devices not a multiple of g) is modelled with the same step counts; its
+missing local ranks simply send nothing in step 2.
 """
 from __future__ import annotations
 
 from largebatch.perf import halving_doubling
 from largebatch.perf.topology import Topology, ring_all_gather, ring_reduce_scatter
 
+INTER = ("halving_doubling", "ring", "native")   # native (the backend's collective) is modelled as a ring
 
-def cost(nbytes: float, topo: Topology) -> float:
-    """Seconds for one hierarchical all-reduce of `nbytes` over all devices."""
+
+def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling") -> float:
+    """Seconds for one hierarchical all-reduce of `nbytes` over all devices (steps 1-3)."""
+    if inter not in INTER:
+        raise ValueError(f"no inter-node algorithm {inter!r}")
     p, g = topo.devices, topo.devices_per_node
     if p < 2:
         return 0.0
     nodes = [list(range(s, min(s + g, p))) for s in range(0, p, g)]
     k = max(len(n) for n in nodes)
-    chain = [(n[i], n[0]) for n in nodes for i in range(1, len(n))]
-    hop = topo.step(chain, nbytes / k) if k > 1 else 0.0
-    t = ring_reduce_scatter(topo, nodes, nbytes) + (k - 1) * hop                 # 1.
-    t += halving_doubling.cost(nbytes, topo, [n[0] for n in nodes])              # 2.
-    t += (k - 1) * hop + ring_all_gather(topo, nodes, nbytes)                    # 3.
+    cross = [[n[j] for n in nodes if j < len(n)] for j in range(k)]
+    part = nbytes / k
+    t = ring_reduce_scatter(topo, nodes, nbytes)                                    # 1.
+    if len(nodes) > 1:                                                              # 2.
+        if inter == "halving_doubling":
+            t += halving_doubling.cost(part, topo, groups=[c for c in cross if len(c) == len(nodes)])
+        else:
+            t += ring_reduce_scatter(topo, cross, part) + ring_all_gather(topo, cross, part)
+    t += ring_all_gather(topo, nodes, nbytes)                                       # 3.
     return t
