@@ -19,9 +19,10 @@
    collate (``torch.stack``; float32 batches, 4x the bytes of uint8, cross the worker queue).
 4. Each pipeline: one untimed warm-up pass (workers start, files enter the page cache),
    then the timed region covers exactly --passes full passes over the images (median
-   pass reported). Wall images/s, and images per CPU-second of the whole process tree
-   (this process + its loader workers, from /proc): CPU time holds on a machine shared
-   with other jobs, wall time does not.
+   pass reported); the two pipelines' passes alternate, so a change of the machine's load
+   hits both. Wall images/s, and images per CPU-second of the whole process tree (this
+   process + its loader workers, from /proc): CPU time holds on a machine shared with
+   other jobs, wall time does not.
 5. Stage costs: both pipelines' stages timed one by one (CPU ms per image, in this
    process, on --stage-images of the files), so the docs can say where the time goes.
 """
@@ -144,16 +145,23 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
-def _time_passes(run_pass, passes: int) -> tuple[float, float]:
-    """Step 4: median wall seconds and median process-tree CPU seconds per pass."""
-    run_pass()  # warm-up: workers start, page cache
-    wall, cpu = [], []
+def _time_passes(run_passes: list, passes: int) -> list[tuple[float, float]]:
+    """Step 4: per pipeline, median wall seconds and median process-tree CPU seconds per pass.
+
+    The pipelines' passes alternate (A B A B ...), so a change in the machine's load
+    during the run hits both alike.
+    """
+    for run_pass in run_passes:
+        run_pass()  # warm-up: workers start, page cache
+    wall: list[list[float]] = [[] for _ in run_passes]
+    cpu: list[list[float]] = [[] for _ in run_passes]
     for _ in range(passes):
-        start, start_cpu = time.perf_counter(), _tree_cpu_seconds()
-        run_pass()
-        wall.append(time.perf_counter() - start)
-        cpu.append(_tree_cpu_seconds() - start_cpu)
-    return statistics.median(wall), statistics.median(cpu)
+        for k, run_pass in enumerate(run_passes):
+            start, start_cpu = time.perf_counter(), _tree_cpu_seconds()
+            run_pass()
+            wall[k].append(time.perf_counter() - start)
+            cpu[k].append(_tree_cpu_seconds() - start_cpu)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
 def stage_costs(files: list[bytes], size: int, min_scale: float, repeats: int = 3) -> dict[str, dict[str, float]]:
@@ -267,9 +275,6 @@ def main(argv: list[str]) -> int:
             for x, _ in ours.batches(batches, train=True, epoch=epoch[0]):
                 pass
 
-        t_ours, cpu_ours = _time_passes(ours_pass, args.passes)
-        ours.close()
-
         # Step 3: the plain per-sample pipeline.
         plain_loader = DataLoader(PlainPillow([str(q) for q in paths], labels.tolist(), args.size, args.min_scale),
                                   batch_size=args.batch, shuffle=True, num_workers=args.workers,
@@ -279,7 +284,9 @@ def main(argv: list[str]) -> int:
             for x, _ in plain_loader:
                 pass
 
-        t_plain, cpu_plain = _time_passes(plain_pass, args.passes)
+        # Step 4: alternating timed passes.
+        (t_ours, cpu_ours), (t_plain, cpu_plain) = _time_passes([ours_pass, plain_pass], args.passes)
+        ours.close()
         del plain_loader
 
     idx_rate = None if args.no_memory else memory_rate()
