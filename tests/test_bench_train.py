@@ -1,0 +1,43 @@
+"""`largebatch bench train`: a real (tiny) run writes consistent figures; bad command lines are user errors."""
+import json
+
+import pytest
+
+from largebatch.bench.train import matmul_peak_gflops, parse_config
+from largebatch.errors import UserError
+
+
+@pytest.mark.timeout(300)
+def test_bench_train_tiny_run_writes_consistent_json(cli, tmp_path):
+    out = tmp_path / "train.json"
+    proc = cli("bench", "train", "--model", "speedrun", "--width", "4", "--image-size", "16", "--classes", "10",
+               "--batch", "8", "--steps", "1", "--rounds", "2", "--threads", "1", "--peak-size", "128",
+               "--configs", "fp32,fp32-cl", "--json", out, check=True)
+    data = json.loads(out.read_text())
+    for key in ("images_per_s", "plain_images_per_s", "speedup", "mfu", "peak_matmul_gflops",
+                "peak_matmul_gflops_fp32", "peak_matmul_gflops_bf16", "mfu_bf16_peak", "mfu_fp32_peak"):
+        assert data[key] > 0, key
+    assert set(data["configs"]) == {"fp32", "fp32-cl"}
+    best = data["configs"][data["best_config"]]
+    assert best["images_per_s"] == max(c["images_per_s"] for c in data["configs"].values())
+    assert data["speedup"] == pytest.approx(data["images_per_s"] / data["plain_images_per_s"])
+    assert data["peak_matmul_gflops"] == max(data["peak_matmul_gflops_fp32"], data["peak_matmul_gflops_bf16"])
+    assert data["mfu"] == pytest.approx(data["images_per_s"] * data["train_gflops_per_image"] / data["peak_matmul_gflops"])
+    assert all(len(c["rounds"]) == 2 for c in data["configs"].values())
+    assert "plain PyTorch" in proc.stdout and "MFU" in proc.stdout
+
+
+def test_config_names_and_user_errors(cli):
+    assert parse_config("bf16-cl-compile") == {"precision": "bf16", "channels_last": True, "compile": True}
+    assert parse_config("fp32") == {"precision": "fp32", "channels_last": False, "compile": False}
+    for bad in ("fp8", "fp32-nhwc", "fp32-cl-cl"):
+        with pytest.raises(UserError):
+            parse_config(bad)
+    proc = cli("bench", "train", "--configs", "fp32-fast")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "fp32-fast" in proc.stderr
+    proc = cli("bench", "train", "--model", "vgg")
+    assert proc.returncode == 2 and "vgg" in proc.stderr
+
+
+def test_matmul_peak_is_a_real_measurement():
+    assert 0.01 < matmul_peak_gflops(__import__("torch").float32, 64, min_time_s=0.01) < 1e5
