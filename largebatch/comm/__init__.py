@@ -102,6 +102,16 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
     return Spec(algorithm, compression, tuple(sorted(merged.items())))
 
 
+def _check_layout(algorithm: str, opts: dict[str, Any], p: int) -> None:
+    """Raise the UserError the algorithm would raise for an impossible grid / node size on ``p`` ranks."""
+    from largebatch.comm.topology import resolve_grid, resolve_local_size
+
+    if algorithm == "torus2d":
+        resolve_grid(opts.get("grid"), p)
+    elif algorithm == "hierarchical":
+        resolve_local_size(opts.get("local_size"), p)
+
+
 def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = None,
         average: bool = False) -> torch.Tensor:
     """Sum (or, with ``average``, average) ``tensor`` in place over ``group`` with ``spec``.
@@ -126,6 +136,7 @@ def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = N
         opts = dict(spec.options)
         algorithm = spec.algorithm
         if flat.numel() * flat.element_size() < opts.pop("small_bytes", 0):
+            _check_layout(algorithm, opts, p)           # an impossible grid is an error at any size
             algorithm, opts = "native", {}              # small-message fast path (latency-bound)
         if codec.lossy:
             flat.div_(p)                                # pre-scale: no fp16 overflow on the wire
