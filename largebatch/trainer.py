@@ -477,6 +477,7 @@ class Trainer:
                 lists = [None] * self.info.world_size
                 dist.all_gather_object(lists, corrupt)
             corrupt = [path for part in lists for path in part]
+        corrupt = sorted(set(corrupt))   # a file is met once per epoch and per evaluation: count it once
         summary = {
             "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
             "final_top1": self.last_eval["top1"], "final_top5": self.last_eval["top5"],

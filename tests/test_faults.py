@@ -154,7 +154,7 @@ def _jpeg_tree(root: Path) -> list[str]:
 def test_corrupt_jpegs_are_skipped_counted_and_listed_end_to_end(cli, tmp_path):
     bad = _jpeg_tree(tmp_path / "data")
     data = ["--set", "data.dataset=imagefolder", "--set", f"data.root={tmp_path / 'data'}",
-            "--set", "data.image_size=16", "--set", "data.loader_workers=0", "--set", "model.width=4",
+            "--set", "data.image_size=16", "--set", "data.loader_workers=0", "--set", "model.width=8",
             "--set", "batch.global_batch=8", "--set", "schedule.epochs=1", "--set", "schedule.warmup_epochs=0",
             "--set", "train.plots=false", "--quiet"]
     proc = cli("train", "--nproc-per-node", "2", "--run-dir", tmp_path / "run", *data, env=_env(), timeout=230)
