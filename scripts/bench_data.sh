@@ -30,6 +30,6 @@ rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "train
 for r in rows:
     step_s = r["global_batch"] / r["images_per_s"]
     print(f"step {r['step']}: step {step_s:.1f} s, data wait {r['data_wait_s']:.3f} s "
-          f"({100 * r["data_wait_s"] / step_s:.2f}%)")
+          f"({100 * r['data_wait_s'] / step_s:.2f}%)")
 PYEOF
 echo "load after: $(uptime)"
