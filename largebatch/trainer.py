@@ -309,9 +309,11 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)   # LARS and all norms see unscaled fp32 gradients
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # Gradients are already all-reduced, so every rank reaches the same verdict with no extra
-        # communication. One scalar host sync per step.
+        # communication (a non-finite loss on any rank makes the reduced gradients non-finite too;
+        # the local loss itself is not part of the verdict, as ranks could disagree on it).
+        # One scalar host sync per step.
         norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
-        ok = bool(torch.isfinite(torch.stack(norms).sum() + loss_sum).item())
+        ok = bool(torch.isfinite(torch.stack(norms).sum()).item())
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)   # skips the step itself on inf/nan
             self.scaler.update()               # and lowers the loss scale
