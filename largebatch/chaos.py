@@ -1,0 +1,240 @@
+"""`largebatch chaos [RECIPE] [--kills N] [--set ...]`: SIGKILL workers at random during a run and
+check that it survives: it completes, every checkpoint on disk loads, and the final top-1 matches
+an uninterrupted run with the same seed.
+
+1. Baseline: the same recipe and overrides, uninterrupted, 2 workers (or reuse --baseline-dir).
+2. Chaos run: `largebatch train --nproc-per-node 2 --max-restarts K` with metrics every step.
+3. Kills: N times, wait until the (restarted) group is training again, then SIGKILL one worker:
+   odd-numbered kills pick a random worker after a random delay; even-numbered kills wait for a
+   checkpoint write to begin (a `.tmp-*` file in checkpoints/) and kill rank 0, the writer, then;
+   a kill that leaves the temporary file behind landed inside the write.
+4. Checks: exit code 0; every checkpoint with metadata verifies and loads (weights_only);
+   steps lost per kill from metrics.jsonl (the last step logged before the kill minus the step
+   resumed from); |top-1(chaos) - top-1(baseline)| <= --tolerance points.
+5. Report: a table, and chaos_report.json in the output directory. Exit 1 when a check fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from largebatch.cli import ArgumentParser
+from largebatch.errors import UserError
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="largebatch chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", nargs="?", default="fashion_mnist", help="recipe name or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="recipe override, passed to both runs (repeatable)")
+    p.add_argument("--kills", type=int, default=10, help="SIGKILLs to deliver (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    p.add_argument("--max-delay", type=float, default=4.0, help="longest random wait before a kill, seconds")
+    p.add_argument("--out", type=Path, default=Path("runs/chaos"), help="output directory")
+    p.add_argument("--baseline-dir", type=Path, default=None,
+                   help="reuse a finished uninterrupted run directory instead of running the baseline")
+    p.add_argument("--tolerance", type=float, default=0.5, help="allowed top-1 difference in points")
+    return p
+
+
+def _train_cmd(recipe: str, overrides: list[str], run_dir: Path, restarts: int) -> list[str]:
+    cmd = [sys.executable, "-m", "largebatch", "train", recipe, "--nproc-per-node", "2", "--run-dir", str(run_dir),
+           "--max-restarts", str(restarts), "--quiet"]
+    for o in [*overrides, "train.log_every=1", "train.plots=false"]:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for c in map(int, children):
+                out.append(c)
+                todo.append(c)
+    return out
+
+
+def _workers(launcher: int) -> dict[int, tuple[int, int]]:
+    """pid -> (rank, restart attempt) of the training workers under the launcher."""
+    found = {}
+    for pid in _descendants(launcher):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "TORCHELASTIC_RESTART_COUNT" in env and "RANK" in env:
+            found[pid] = (int(env["RANK"]), int(env["TORCHELASTIC_RESTART_COUNT"]))
+    return found
+
+
+def _train_lines(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if '"kind": "train"' in line)
+    except OSError:
+        return 0
+
+
+def _wait_training(proc: subprocess.Popen, metrics: Path, attempt: int, timeout: float = 600.0) -> dict | None:
+    """Step 3: wait until every worker of `attempt` runs and a new train line was logged after it started."""
+    deadline = time.time() + timeout
+    seen_lines = None
+    while time.time() < deadline and proc.poll() is None:
+        workers = _workers(proc.pid)
+        mine = {pid: r for pid, (r, a) in workers.items() if a == attempt}
+        if len(mine) == 2:
+            if seen_lines is None:
+                seen_lines = _train_lines(metrics)
+            elif _train_lines(metrics) > seen_lines:
+                return mine
+        time.sleep(0.05)
+    return None
+
+
+def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: int, timeout: float) -> bool:
+    """Step 3 (even kills): SIGKILL the writer as soon as a checkpoint's temporary file appears."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            tmp = [e.name for e in os.scandir(ckpt_dir) if e.name.startswith(".tmp-")]
+        except OSError:
+            tmp = []
+        if tmp:
+            os.kill(writer, signal.SIGKILL)
+            return any((ckpt_dir / n).exists() for n in tmp)
+        time.sleep(0.0005)
+    os.kill(writer, signal.SIGKILL)   # no write seen in time: kill anyway
+    return False
+
+
+def steps_lost(metrics: Path) -> list[int]:
+    """Step 4: for every restart, the last step logged before it minus the step resumed from."""
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"kind": "train"' in l]
+    lost = []
+    for prev, cur in zip(steps, steps[1:]):
+        if cur <= prev:
+            lost.append(prev - (cur - 1))
+    return lost
+
+
+def check_checkpoints(ckpt_dir: Path) -> tuple[int, list[str]]:
+    from largebatch import checkpoint
+
+    bad = []
+    metas = sorted(ckpt_dir.glob("step-*.json"))
+    for meta in metas:
+        if checkpoint.verify(meta) is None:
+            bad.append(meta.name)
+            continue
+        try:
+            checkpoint.load(meta.with_suffix(".pt"))
+        except Exception as exc:   # report every failure, not just the first
+            bad.append(f"{meta.name}: {exc}")
+    return len(metas), bad
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.kills < 1:
+        raise UserError(f"--kills is {args.kills}; give 1 or more.")
+    from largebatch import config as config_mod
+
+    cfg = config_mod.load(args.recipe, args.overrides)   # fail fast on a bad recipe or override
+    if not cfg.train.checkpoint_every:
+        print("largebatch chaos: train.checkpoint_every is 0; checkpoints only at epoch ends (add "
+              "--set train.checkpoint_every=N to lose fewer steps per kill).", file=sys.stderr)
+    rng = random.Random(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    # 1. baseline
+    base_dir = args.baseline_dir or args.out / "baseline"
+    if args.baseline_dir is None:
+        print(f"largebatch chaos: baseline run in {base_dir}", file=sys.stderr, flush=True)
+        with open(args.out / "baseline.log", "w") as log:
+            rc = subprocess.call(_train_cmd(args.recipe, args.overrides, base_dir, 0), stdout=log, stderr=log)
+        if rc != 0:
+            print(f"largebatch chaos: the baseline run failed ({rc}); see {args.out / 'baseline.log'}", file=sys.stderr)
+            return 1
+
+    # 2. chaos run
+    run_dir = args.out / "chaos"
+    metrics, ckpt_dir = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    log = open(args.out / "chaos.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(_train_cmd(args.recipe, args.overrides, run_dir, args.kills + 5), stdout=log,
+                            stderr=log, start_new_session=True)
+    kills = []
+    try:
+        # 3. kills
+        for k in range(args.kills):
+            workers = _wait_training(proc, metrics, attempt=k)
+            if workers is None:
+                break
+            if k % 2 == 1:
+                writer = next(pid for pid, r in workers.items() if r == 0)
+                in_write = _kill_in_checkpoint_write(proc, ckpt_dir, writer, timeout=120)
+                kills.append({"kill": k + 1, "rank": 0, "kind": "checkpoint write", "in_write": in_write,
+                              "time_s": round(time.time() - t0, 1)})
+            else:
+                time.sleep(rng.uniform(0, args.max_delay))
+                pid, rank = rng.choice(sorted(workers.items()))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                kills.append({"kill": k + 1, "rank": rank, "kind": "random moment", "in_write": False,
+                              "time_s": round(time.time() - t0, 1)})
+            print(f"largebatch chaos: kill {k + 1}: {kills[-1]}", file=sys.stderr, flush=True)
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    wall = time.time() - t0
+
+    # 4. checks
+    if not (base_dir / "summary.json").exists():
+        raise UserError(f"the baseline run {base_dir} has no summary.json; let it finish or drop --baseline-dir.")
+    base = json.loads((base_dir / "summary.json").read_text())
+    checked, bad = check_checkpoints(ckpt_dir)
+    summary_path = run_dir / "summary.json"
+    chaos = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    lost = steps_lost(metrics) if metrics.exists() else []
+    diff = 100 * (chaos.get("final_top1", float("nan")) - base["final_top1"])
+    report = {
+        "kills": len(kills), "kills_in_checkpoint_write": sum(k["in_write"] for k in kills),
+        "restarts_seen": len(lost), "steps_lost_per_kill": lost,
+        "steps_lost_mean": sum(lost) / max(len(lost), 1), "steps_lost_max": max(lost, default=0),
+        "exit_code": rc, "checkpoints_checked": checked, "checkpoints_bad": bad,
+        "final_top1": chaos.get("final_top1"), "baseline_top1": base["final_top1"], "top1_diff_points": diff,
+        "steps": chaos.get("steps"), "baseline_steps": base["steps"], "wall_s": round(wall, 1),
+        "baseline_wall_s": base.get("wall_s"), "kill_log": kills,
+        "command": "largebatch chaos " + " ".join(argv),
+    }
+    ok = rc == 0 and not bad and abs(diff) <= args.tolerance and len(kills) == args.kills
+    report["passed"] = ok
+    (args.out / "chaos_report.json").write_text(json.dumps(report, indent=2))
+
+    # 5. report
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="largebatch chaos", show_header=False)
+    for key, value in report.items():
+        if key != "kill_log":
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console(stderr=True).print(table)
+    print(f"largebatch chaos: {'PASSED' if ok else 'FAILED'}; report in {args.out / 'chaos_report.json'}",
+          file=sys.stderr)
+    return 0 if ok else 1
