@@ -73,11 +73,11 @@ def test_sigkill_restart_under_plain_torchrun_resumes_as_if_nothing_happened(cli
 def test_hang_times_out_naming_the_missing_rank(cli, tmp_path):
     """Rank 1 stalls before step 3; rank 0's collective times out after comm.timeout_s and names rank 1."""
     proc = cli("train", "--nproc-per-node", "2", "--run-dir", tmp_path / "run", "--set", "train.max_steps=6",
-               "--set", "comm.timeout_s=4", *TINY, timeout=230,
-               env=_env(LARGEBATCH_FAULTS="hang@1:3", LARGEBATCH_FAULT_HANG_S="10"))
+               "--set", "comm.timeout_s=3", *TINY, timeout=230,
+               env=_env(LARGEBATCH_FAULTS="hang@1:3", LARGEBATCH_FAULT_HANG_S="6"))
     assert proc.returncode not in (0, 2)
     assert ("rank 0: collective in 'training step (stop flag + gradient all-reduce)' at step 3 failed "
-            "(comm.timeout_s=4): ranks that did not arrive: rank 1 (last seen at step 2") in proc.stderr
+            "(comm.timeout_s=3): ranks that did not arrive: rank 1 (last seen at step 2") in proc.stderr
 
 
 @pytest.mark.timeout(180)
@@ -163,5 +163,4 @@ def test_corrupt_jpegs_are_skipped_counted_and_listed_end_to_end(cli, tmp_path):
     assert sorted(listed) == sorted(bad)                       # from both ranks, train and val
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["corrupt_images"] == 3 and summary["steps"] == 3   # 26 train files // 8 per step
-    failed = cli("train", "--run-dir", tmp_path / "fail", *data, "--set", "data.on_corrupt=fail", env=_env())
-    assert failed.returncode == 2 and "corrupt or truncated image" in failed.stderr
+    # data.on_corrupt=fail is covered at the source level in test_data_imagefolder.py (one launch less here)
