@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate every figure of docs/communication.md in one go (about 6-8 minutes on the
-# 2-core container; the 2x2 run needs root and iproute2 for `largebatch cluster run`).
+# Regenerate every figure of docs/communication.md in one go (about 4 minutes on the
+# loaded 2-core container; the 2x2 run needs root and iproute2 for `largebatch cluster run`).
 #
 #   scripts/bench_comm.sh [OUTDIR]      # default OUTDIR: docs
 #
@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-docs}
 LB=${LB:-.venv/bin/largebatch}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)          # absolute: the cluster's agents run in other namespaces
 LOG="$OUT/communication_bench.log"
 : > "$LOG"
 start=$SECONDS
@@ -27,11 +28,14 @@ step "$LB" bench allreduce --nproc 4 --small-bytes 0 \
 
 # 2. 2 namespaced hosts x 2 processes, hosts linked at 1 Gbit/s (no netem on this kernel).
 step "$LB" cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- \
-    bench allreduce --small-bytes 0 --json "$PWD/$OUT/communication_2x2.json" \
-    --plot "$PWD/$OUT/communication_allreduce_2x2.png"
+    bench allreduce --small-bytes 0 --json "$OUT/communication_2x2.json" \
+    --plot "$OUT/communication_allreduce_2x2.png"
 
 # 3. exposed communication per DDP training step (default fast path), 1 host x 4.
 step "$LB" bench allreduce --nproc 4 --training --width 16 --json "$OUT/communication_training.json"
+
+# 4. the markdown tables of docs/communication.md from the JSON files
+.venv/bin/python scripts/comm_tables.py "$OUT" | tee -a "$LOG"
 
 echo "### load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$LOG"
 echo "### total: $((SECONDS - start)) s" | tee -a "$LOG"

@@ -153,7 +153,7 @@ def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any
     """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state.
 
     Collective: call on every rank, in the same order as other group creations.
-    ``options``: compression, grid, local_size, inter, timeout_s (``None`` = default);
+    ``options``: compression, grid, local_size, inter, small_bytes, timeout_s (``None`` = default);
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)
