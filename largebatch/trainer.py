@@ -238,6 +238,7 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = state["step"]
+        self._saved_step = self.step   # that checkpoint exists: a stop right away does not rewrite it
         prog = state["progress"]
         self.best_top1 = prog["best_top1"]
         self.nonfinite_total = prog["nonfinite_total"]
@@ -426,10 +427,11 @@ class Trainer:
         return self.ema.module if self.ema is not None else self.model
 
     def _log_eval(self) -> dict:
-        result = evaluate(self._eval_model(), self.test_data, self.info, self.device,
-                          precision=self.cfg.train.precision, channels_last=self.channels_last,
-                          flip=self.cfg.train.eval_flip, batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch),
-                          sync_buffers=self._sync_buffers)
+        with self.watchdog.guard(self.step, "evaluation"):
+            result = evaluate(self._eval_model(), self.test_data, self.info, self.device,
+                              precision=self.cfg.train.precision, channels_last=self.channels_last,
+                              flip=self.cfg.train.eval_flip, batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch),
+                              sync_buffers=self._sync_buffers)
         self.best_top1 = max(self.best_top1, result["top1"])
         rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.wall_before + self._session_wall()}
         self.metrics.write(rec)
