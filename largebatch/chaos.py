@@ -4,7 +4,8 @@ an uninterrupted run with the same seed.
 
 1. Baseline: the same recipe and overrides, uninterrupted, 2 workers (or reuse --baseline-dir).
 2. Chaos run: `largebatch train --nproc-per-node 2 --max-restarts K` with metrics every step.
-3. Kills: N times, wait until the (restarted) group is training again, then SIGKILL one worker:
+3. Kills: N times, wait until the (restarted) group is training again and has completed one new
+   checkpoint (so that the run progresses however fast the kills come), then SIGKILL one worker:
    odd-numbered kills pick a random worker after a random delay; even-numbered kills wait for a
    checkpoint write to begin (a `.tmp-*` file in checkpoints/) and kill rank 0, the writer, then;
    a kill that leaves the temporary file behind landed inside the write.
@@ -102,6 +103,17 @@ def _wait_training(proc: subprocess.Popen, metrics: Path, attempt: int, timeout:
     return None
 
 
+def _wait_new_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float = 600.0) -> bool:
+    """Step 3: wait until a checkpoint newer than the ones on disk now is complete (progress is kept)."""
+    before = {p.name for p in ckpt_dir.glob("step-*.json")}
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if {p.name for p in ckpt_dir.glob("step-*.json")} - before:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: int, timeout: float) -> bool:
     """Step 3 (even kills): SIGKILL the writer as soon as a checkpoint's temporary file appears."""
     deadline = time.time() + timeout
@@ -179,7 +191,7 @@ def main(argv: list[str]) -> int:
         # 3. kills
         for k in range(args.kills):
             workers = _wait_training(proc, metrics, attempt=k)
-            if workers is None:
+            if workers is None or not _wait_new_checkpoint(proc, ckpt_dir):
                 break
             if k % 2 == 1:
                 writer = next(pid for pid, r in workers.items() if r == 0)
