@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -164,6 +165,12 @@ def launch(args, argv: list[str]) -> int:
         raise
     else:
         code = 0
+    if code == 0 and not (run_dir / "summary.json").exists():
+        # the workers (not this launcher) got SIGTERM / SIGINT and stopped gracefully at a checkpoint
+        print(f"largebatch: the workers stopped before the end; resume with: largebatch train {args.recipe} "
+              f"--nproc-per-node {args.nproc_per_node} --run-dir {run_dir} --resume (and the same --set options)",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     if code == 0:
         _announce(run_dir)
     return int(code)
