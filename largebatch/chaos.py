@@ -229,6 +229,8 @@ def main(argv: list[str]) -> int:
         "restarts_seen": len(lost), "steps_lost_per_kill": lost,
         "steps_lost_mean": sum(lost) / max(len(lost), 1), "steps_lost_max": max(lost, default=0),
         "exit_code": rc, "checkpoints_checked": checked, "checkpoints_bad": bad,
+        "corrupt_checkpoint_reports": (args.out / "chaos.log").read_text().count("is corrupt or truncated"),
+        "resumes_from_checkpoint": (args.out / "chaos.log").read_text().count("largebatch: resumed from"),
         "final_top1": chaos.get("final_top1"), "baseline_top1": base["final_top1"], "top1_diff_points": diff,
         "steps": chaos.get("steps"), "baseline_steps": base["steps"], "wall_s": round(wall, 1),
         "baseline_wall_s": base.get("wall_s"), "kill_log": kills,
