@@ -26,17 +26,17 @@ def allreduce_tables(path: Path) -> str:
         nat = at[("native", s)]["busbw_GBps"]
         out.append(f"| {human(s)} | {nat:.3f} | " + " | ".join(
             f"{at[(n, s)]['busbw_GBps'] / nat:.2f}x" for n in names if n != "native") + " |")
-    out += ["", "median call / predicted time (ms) and the prediction's error (perf model on the measured links; "
-            "the mean per call, the nccl-tests figure behind busbw, is in the JSON as time_s):", "",
+    out += ["", "measured (mean per call) / predicted time (ms) and the prediction's error (perf model on the "
+            "measured links; the median call is in the JSON as median_s):", "",
             "| size | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for s in sizes:
         cells = []
         for n in names:
             r = at[(n, s)]
             if r.get("predicted_s") is None:
-                cells.append(f"{r.get('median_s', r['time_s']) * 1e3:.2f} / -")
+                cells.append(f"{r['time_s'] * 1e3:.2f} / -")
             else:
-                cells.append(f"{r.get('median_s', r['time_s']) * 1e3:.2f} / {r['predicted_s'] * 1e3:.2f} "
+                cells.append(f"{r['time_s'] * 1e3:.2f} / {r['predicted_s'] * 1e3:.2f} "
                              f"({r['error']:+.0%})")
         out.append(f"| {human(s)} | " + " | ".join(cells) + " |")
     out += ["", "| algorithm | sizes within 25% | max error |", "|---|---|---|"]

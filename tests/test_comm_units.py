@@ -120,7 +120,7 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
         assert r["time_s"] > 0 and math.isclose(r["busbw_GBps"], r["algbw_GBps"] * 2 * (2 - 1) / 2)
     assert set(data["fits"]) == {"native", "ring", "halving_doubling"}
     assert data["links"]["intra"]["bandwidth_Bps"] > 0 and data["links"]["gamma_s_per_byte"] > 0
-    assert all(r["predicted_s"] > 0 for r in data["rows"])
+    assert all(r["predicted_s"] > 0 and r["median_s"] > 0 for r in data["rows"])
     assert png.stat().st_size > 1000 and "busbw(GB/s)" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "largebatch", "bench", "allreduce", "--algorithms", "rign"],
                          capture_output=True, text=True, timeout=60)

@@ -8,7 +8,8 @@
    list) and each algorithm: a float32 tensor of that many bytes, ``--warmup``
    untimed calls (the first creates any sub-groups), a barrier, then the timed
    region covers exactly ``iters`` back-to-back all-reduces (CUDA: synchronised at
-   the end). The time is the slowest rank's mean (taken after the timed region).
+   the end). The time is the slowest rank's mean (taken after the timed region), and
+   the median over calls of the slowest rank's per-call time (robust to a shared machine).
 3. Report in the nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(p-1)/p,
    and busbw relative to ``native`` at the same size.
 4. Predict each algorithm's time from measured *links*, not from its own timings
@@ -16,7 +17,7 @@
    ranks at once) on the intra-node ring and, with 2+ nodes, across nodes, for message
    sizes 1 KB .. half the largest size; fit alpha and bandwidth per link; time ``add_``
    for gamma; then `largebatch.perf`'s cost function of each algorithm on that
-   topology gives the prediction, printed beside the measurement with the error.
+   topology gives the prediction, printed beside the measured mean with the error.
 5. Rank 0 writes ``--json`` (all rows, links, errors, command, machine, load) and
    ``--plot`` (busbw against size, matplotlib Agg).
 
@@ -197,6 +198,29 @@ def _iters(size: int) -> int:
     return max(3, min(50, (64 << 20) // size))
 
 
+def _timed(call: Any, iters: int, device: torch.device) -> tuple[float, float]:
+    """``iters`` back-to-back calls: (mean, median) seconds per call of the slowest rank.
+
+    The mean is the nccl-tests figure (one timed region). The median of the per-call times
+    (the slowest rank per call) is what a typical call costs when the machine is shared: a few
+    calls that wait for a time slice do not move it. On CUDA the per-call clock reads would not
+    wait for the device, so there the median is the mean.
+    """
+    stamps = [0.0] * iters
+    t0 = time.perf_counter()
+    for j in range(iters):
+        call()
+        stamps[j] = time.perf_counter()                                # a clock read, no device sync
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        stamps = [t0 + (time.perf_counter() - t0) * (j + 1) / iters for j in range(iters)]
+    per_call = torch.tensor([b - a for a, b in zip([t0] + stamps, stamps)] + [stamps[-1] - t0],
+                            dtype=torch.float64)
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)                    # host sync, outside the timed region
+    total = float(per_call[-1])
+    return total / iters, float(per_call[:-1].median())
+
+
 def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
     """Step 2: one row per (algorithm, size) with the slowest rank's mean seconds per call."""
     names = ["native"] + [a for a in args.algorithms if a != "native"]
@@ -211,33 +235,25 @@ def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                comm.allreduce(x, name, **opts)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                    # host sync, outside the timed region
-            t = float(elapsed.item())
+            t, med = _timed(lambda: comm.allreduce(x, name, **opts), iters, device)
             algbw = x.numel() * 4 / t
             rows.append({"algorithm": name, "compression": args.compression, "bytes": x.numel() * 4,
-                         "iters": iters, "time_s": t, "algbw_GBps": algbw / 1e9,
+                         "iters": iters, "time_s": t, "median_s": med, "algbw_GBps": algbw / 1e9,
                          "busbw_GBps": algbw * 2 * (p - 1) / p / 1e9})
     return rows
 
 
 def _step_time(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, iters: int) -> float:
-    """Slowest rank's mean seconds of one `exchange` step (all ranks at once)."""
+    """Mean seconds per `exchange` step (slowest rank), all ranks at once.
+
+    The mean, not the median: on the tbf-shaped cluster link a fit to the medians gave a bandwidth
+    above the configured rate (0.179 GB/s on a 0.125 GB/s link; cause not established).
+    """
     from largebatch.comm.p2p import exchange
 
     exchange(send, dst, recv, src, None)                              # warm-up
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        exchange(send, dst, recv, src, None)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                    # host sync, outside the timed region
-    return float(elapsed.item())
+    return _timed(lambda: exchange(send, dst, recv, src, None), iters, send.device)[0]
 
 
 def measure_links(args: Any, device: torch.device, p: int, k: int) -> dict[str, Any]:
@@ -266,16 +282,8 @@ def measure_links(args: Any, device: torch.device, p: int, k: int) -> dict[str, 
     add_sizes = [m for m in sizes if m >= 64 << 10] or sizes[-1:]
     for m in add_sizes:                                               # gamma: every rank adds at once
         x = torch.ones(2, m // 4, dtype=torch.float32, device=device)
-        iters = _iters(4 * m)
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            x[0].add_(x[1])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)                # host sync, outside the timed region
-        add_times.append(float(elapsed.item()))
+        add_times.append(_timed(lambda: x[0].add_(x[1]), _iters(4 * m), device)[0])
     out["gamma_s_per_byte"] = cost.fit_gamma(add_sizes, add_times)
     out["add_times_s"] = dict(zip(map(str, add_sizes), add_times))
     return out
@@ -302,6 +310,7 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
         r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
                                         small_bytes=0 if name == "native" else small)
         r["error"] = r["predicted_s"] / r["time_s"] - 1
+        r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
         f = fits.setdefault(name, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
         f["max_abs_error"] = max(f["max_abs_error"], abs(r["error"]))
         f["points"] += 1
@@ -314,12 +323,12 @@ def _print_table(rows: list[dict[str, Any]], fits: dict, links: dict, p: int, ar
     print(f"# all-reduce, {p} processes, float32, compression={args.compression}; busbw = algbw * 2(p-1)/p; "
           f"pred = largebatch.perf cost on the measured links")
     print(f"{'size':>8} {'algorithm':>17} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
-          f"{'vs native':>9} {'pred(us)':>10} {'error':>7}")
+          f"{'vs native':>9} {'median(us)':>10} {'pred(us)':>10} {'error':>7}")
     for r in rows:
         pred = r.get("predicted_s")
         tail = f"{pred * 1e6:>10.1f} {r['error']:>+7.0%}" if pred is not None else f"{'-':>10} {'-':>7}"
         print(f"{human(r['bytes']):>8} {r['algorithm']:>17} {r['time_s'] * 1e6:>11.1f} {r['algbw_GBps']:>12.3f} "
-              f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {tail}")
+              f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {r['median_s'] * 1e6:>10.1f} {tail}")
     print("# links (one exchange step, all ranks at once; fitted alpha + flows * m / B, least squares on relative error)")
     for name in ("intra", "inter"):
         if name in links:
@@ -329,7 +338,7 @@ def _print_table(rows: list[dict[str, Any]], fits: dict, links: dict, p: int, ar
     g = links["gamma_s_per_byte"]
     print(f"{'gamma (add_)':>17}: {g * 1e9:.3f} ns/byte = {(1 / g / 1e9 if g else float('inf')):.2f} GB/s")
     print("# load average (1, 5, 15 min): " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
-    print("# prediction error per algorithm")
+    print("# prediction error per algorithm (against the mean per call)")
     for name, f in fits.items():
         print(f"{name:>17}: max |pred/measured - 1| = {f['max_abs_error']:.0%}, "
               f"{f['within_25pct']}/{f['points']} sizes within 25%")
