@@ -216,6 +216,9 @@ def main(argv: list[str]) -> int:
     wall = time.time() - t0
 
     # 4. checks
+    deadline = time.time() + 1800
+    while args.baseline_dir is not None and not (base_dir / "summary.json").exists() and time.time() < deadline:
+        time.sleep(5)   # a baseline started alongside this command may still be running
     if not (base_dir / "summary.json").exists():
         raise UserError(f"the baseline run {base_dir} has no summary.json; let it finish or drop --baseline-dir.")
     base = json.loads((base_dir / "summary.json").read_text())
