@@ -64,7 +64,7 @@ def test_resume_equals_uninterrupted(cli, tmp_path):
 
 
 def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
-    """3 workers, 10,000 test images (not divisible by 3): each counted exactly once, same top-1 as 1 process."""
+    """3 workers, 10,000 test images (not divisible by 3): each counted exactly once, same loss as 1 process."""
     run = tmp_path / "three"
     cli("train", "--nproc-per-node", "3", "--run-dir", run, "--set", "batch.global_batch=48",
         "--set", "train.max_steps=2", *TINY, check=True)
@@ -81,7 +81,9 @@ def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
     model.load_state_dict(state["model"])
     single = evaluate(model, test, DistInfo(), torch.device("cpu"))
     assert single["count"] == 10000
-    assert abs(single["top1"] - evals[-1]["top1"]) <= 1e-4
+    # After 2 steps the logits are nearly uniform, so top-1 flips with float rounding (BN statistics
+    # averaged over 3 ranks, 1 vs 2 threads); the mean loss over the same 10,000 images is stable.
+    assert single["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-4)
 
 
 def test_run_directory_contents(tmp_path, cli):
