@@ -210,6 +210,8 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif tp is str:
+        if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices", ())):
+            value = "on" if value else "off"   # YAML 1.1 reads a bare on/off as a boolean
         ok = isinstance(value, str)
     elif tp is list or origin is list:
         ok = isinstance(value, list)
@@ -300,10 +302,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if section not in SECTIONS:
             raise UserError(f"--set {dotted}: unknown section {section!r}{_suggest(section, list(SECTIONS))}; "
                             f"valid sections: {', '.join(SECTIONS)}.")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            hints = typing.get_type_hints(SECTIONS[section])
-            if hints.get(key) is str:
-                value = raw
+        hints = typing.get_type_hints(SECTIONS[section])
+        if hints.get(key) is str and not isinstance(value, str) and value is not None:
+            value = raw   # a string key keeps what was typed (e.g. model.name=101, train.channels_last=on)
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}

@@ -89,3 +89,10 @@ def test_bad_input_loses_nothing(cli, tmp_path):
     _assert_user_error(cli("train", "--run-dir", run, "--resume", "--set", "optim.momentum=1.5"), "optim.momentum")
     after = sorted((p.name, p.read_bytes()) for p in run.rglob("*") if p.is_file())
     assert before == after
+
+
+def test_on_off_strings_survive_yaml():
+    """YAML 1.1 reads a bare on/off as a boolean; keys whose values are on/off take either."""
+    assert config.load("fashion_mnist", ["train.channels_last=on"]).train.channels_last == "on"
+    assert config.from_dict({"train": {"channels_last": False}}).train.channels_last == "off"
+    assert config.load("fashion_mnist", ["model.name=resnet50"]).model.name == "resnet50"
