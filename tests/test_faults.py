@@ -54,7 +54,8 @@ def test_sigkill_restart_under_plain_torchrun_resumes_as_if_nothing_happened(cli
         cwd=tmp_path, env=_env(LARGEBATCH_FAULTS="kill@1:5,nan@0:2/*"), capture_output=True, text=True, timeout=280)
     assert killed.returncode == 0, killed.stderr[-4000:]
     assert "resumed from" in killed.stderr and "at step 4" in killed.stderr
-    assert "ranks that did not arrive: rank 1" in killed.stderr      # rank 0's view of the kill
+    # (rank 0 may notice the kill inside step 5 -- "rank 1 did not arrive" -- or while still finishing
+    # step 4's checkpoint barrier, so its message is not asserted here; test_hang_... asserts the naming)
     (run_dir,) = (tmp_path / "runs").iterdir()                        # one run directory, reused after restart
     cli("train", "--nproc-per-node", "2", "--run-dir", tmp_path / "base", *common,
         env=_env(LARGEBATCH_FAULTS="nan@0:2"), check=True)
