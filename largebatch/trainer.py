@@ -271,8 +271,11 @@ class Trainer:
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         x = x.to(self.device, non_blocking=True)
-        if self.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        if x.dim() == 4:
+            # The input's memory format follows the model's: JPEG batches arrive as NCHW views of
+            # NHWC memory, and mixing formats picks slower (and on CPU, for very narrow convs
+            # under DDP, crashing) kernels. A no-op when the layout already matches.
+            x = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         return x, y.to(self.device, non_blocking=True)
 
     def _micro_batches(self, epoch: int, start: int, phase):
