@@ -524,8 +524,8 @@ def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.de
     probs = []
     for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
         x = x.to(device, non_blocking=True)
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         y = y.to(device)
         with autocast(device, precision):
             logits = model(x).float()
