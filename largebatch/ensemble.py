@@ -57,15 +57,13 @@ def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: to
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard."""
     from largebatch.data.sampler import eval_shard
-    from largebatch.trainer import autocast
+    from largebatch.trainer import autocast, to_model_layout
 
     model.eval()
     idx = eval_shard(len(source), rank, world_size)
     probs, labels = [], []
     for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
-        x = x.to(device, non_blocking=True)
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = to_model_layout(x, device, channels_last)
         with autocast(device, precision):
             logits = model(x)
         probs.append(logits.float().softmax(1))
@@ -145,7 +143,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
                  precision: str, world_size: int) -> None:
     """BN running statistics of `model` from scratch: cumulative average over the given training
     batches in train mode, then the mean over ranks (all ranks must call it)."""
-    from largebatch.trainer import autocast
+    from largebatch.trainer import autocast, to_model_layout
 
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
@@ -156,9 +154,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
         m.momentum = None            # cumulative moving average over the batches
     model.train()
     for x, _ in source.batches(index_batches, train=True, epoch=0):
-        x = x.to(device, non_blocking=True)
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = to_model_layout(x, device, channels_last)
         with autocast(device, precision):
             model(x)
     for m, momentum in zip(bns, momenta):

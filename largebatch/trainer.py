@@ -64,6 +64,18 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def to_model_layout(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """Move a batch to the device in the model's memory format.
+
+    JPEG batches arrive as NCHW views of NHWC memory; mixing formats picks slower (and on CPU, for
+    very narrow convs under DDP, crashing) kernels. A no-op when the layout already matches.
+    """
+    x = x.to(device, non_blocking=True)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return x
+
+
 def use_channels_last(choice: str, device: torch.device, precision: str) -> bool:
     if choice == "auto":
         return device.type == "cuda" or precision == "bf16"
@@ -270,13 +282,7 @@ class Trainer:
                 offset += b.numel()
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
-        x = x.to(self.device, non_blocking=True)
-        if x.dim() == 4:
-            # The input's memory format follows the model's: JPEG batches arrive as NCHW views of
-            # NHWC memory, and mixing formats picks slower (and on CPU, for very narrow convs
-            # under DDP, crashing) kernels. A no-op when the layout already matches.
-            x = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
-        return x, y.to(self.device, non_blocking=True)
+        return to_model_layout(x, self.device, self.channels_last), y.to(self.device, non_blocking=True)
 
     def _micro_batches(self, epoch: int, start: int, phase):
         """This rank's micro-batch indices for the rest of `epoch` from step-in-epoch `start`."""
@@ -523,9 +529,7 @@ def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.de
     sums = torch.zeros(4, dtype=torch.float64)   # top-1 correct, top-5 correct, loss sum, count
     probs = []
     for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
-        x = x.to(device, non_blocking=True)
-        if x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        x = to_model_layout(x, device, channels_last)
         y = y.to(device)
         with autocast(device, precision):
             logits = model(x).float()
