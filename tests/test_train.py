@@ -10,7 +10,9 @@ import torch
 from largebatch import checkpoint, config
 from largebatch.dist import DistInfo
 
-TINY = ["--set", "model.width=4", "--set", "train.precision=fp32", "--set", "train.log_every=1",
+TINY = ["--set", "model.name=resnet18", "--set", "model.stem=small", "--set", "model.width=4",
+        "--set", "train.channels_last=off", "--set", "train.eval_flip=false",
+        "--set", "train.precision=fp32", "--set", "train.log_every=1",
         "--set", "train.plots=false", "--quiet"]
 
 
