@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench data": ("largebatch.bench.data", "data pipeline images/s: largebatch against plain Pillow"),
     "bench allreduce": ("largebatch.bench.allreduce", "all-reduce bus bandwidth per algorithm"),
     "bench optim": ("largebatch.optim.bench", "optimizer step time: LARS / LAMB against torch SGD"),
+    "bench speedrun": ("largebatch.bench.speedrun", "Fashion-MNIST time-to-accuracy of a plain PyTorch CNN baseline"),
     "bench scaling": ("largebatch.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
     "cluster run": ("largebatch.cluster", "run a command on real separate hosts made of network namespaces"),
     "study batch-scaling": ("largebatch.study", "top-1 against global batch per optimizer"),
