@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
         cells.append(cell)
         write_outputs(args.out, meta, cells, batches, optimizers)
     table = write_outputs(args.out, meta, cells, batches, optimizers)
-    console.print(markdown(table, batches, optimizers))
+    console.print(markdown(table, sorted(batches), optimizers))
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done; "
                   f"results in {args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0
