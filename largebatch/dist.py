@@ -65,9 +65,20 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     return info
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = False) -> None:
+    """Tear the process group down; with `barrier` (after a successful run) on every rank together.
+
+    Without the barrier a rank that finished first closes its connections while rank 0 is still
+    writing the summary and plots, and gloo's I/O threads on the other side can abort the process
+    ("terminate called without an active exception") after a successful run. On an error path no
+    barrier: the other ranks may be gone.
+    """
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if barrier:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def pick_device(choice: str) -> torch.device:

@@ -113,7 +113,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
         res = evaluate(model, test, info, device, precision=cfg.train.precision, channels_last=channels_last,
                        flip=cfg.train.eval_flip, batch=batch)
         out.update({"checkpoint": str(checkpoint_path), **res})
-    dist_mod.shutdown()
+    dist_mod.shutdown(barrier=True)
     return out
 
 

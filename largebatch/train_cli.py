@@ -212,12 +212,14 @@ def main(argv: list[str]) -> int:
         if run_dir is None:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
     trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
+    from largebatch import dist as dist_mod
+
     try:
         summary = trainer.fit()
-    finally:
-        from largebatch import dist as dist_mod
-
+    except BaseException:
         dist_mod.shutdown()
+        raise
+    dist_mod.shutdown(barrier=True)
     if not under_torchrun and not summary.get("stopped"):
         _announce(trainer.run_dir)
     if summary.get("stopped") and not under_torchrun:

@@ -14,6 +14,7 @@ once per step for the non-finite check (one scalar) and on logging steps only ot
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import random
@@ -74,6 +75,13 @@ def to_model_layout(x: torch.Tensor, device: torch.device, channels_last: bool) 
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return x
+
+
+def _no_buffer_broadcast() -> dict:
+    """DDP keyword for "do not broadcast buffers every forward": torch >= 2.13 spells it
+    forward_sync_buffers (broadcast_buffers is deprecated there); older releases broadcast_buffers."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def use_channels_last(choice: str, device: torch.device, precision: str) -> bool:
@@ -143,7 +151,7 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None,
                 bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True,
-                broadcast_buffers=False)   # BN statistics per worker (Goyal); averaged before eval/checkpoints
+                **_no_buffer_broadcast())   # BN statistics per worker (Goyal); averaged before eval/checkpoints
             if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
                 from largebatch.comm import register
 
