@@ -211,12 +211,14 @@ def main(argv: list[str]) -> int:
         run_dir = _latest_run(cfg.recipe)
         if run_dir is None:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
-    trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
     from largebatch import dist as dist_mod
 
     try:
+        trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
         summary = trainer.fit()
     except BaseException:
+        # Destroy the process group while the interpreter is alive (no barrier: peers may be gone);
+        # left to interpreter exit, gloo's threads can abort the process instead of exiting with 2.
         dist_mod.shutdown()
         raise
     dist_mod.shutdown(barrier=True)
