@@ -90,10 +90,6 @@ def use_channels_last(choice: str, device: torch.device, precision: str) -> bool
     return choice == "on"
 
 
-class StopRequested(Exception):
-    pass
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False):
         from largebatch.data import build_data
@@ -180,7 +176,6 @@ class Trainer:
         self.wall_before = 0.0          # training wall time of earlier sessions (resume)
         self.images_seen = 0
         self.train_time = 0.0
-        self.stop_signal: int | None = None
         if resume:
             self._restore()
 
@@ -210,12 +205,9 @@ class Trainer:
         return Path(path[0])
 
     # ------------------------------------------------------------------ checkpoints
-    def _model_state(self) -> dict:
-        return self.model.state_dict()
-
     def state_dict(self) -> dict:
         return {
-            "model": self._model_state(),
+            "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else {},

@@ -23,3 +23,14 @@ def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,16 +9,7 @@ from largebatch.errors import UserError
 from largebatch.models import MODELS, Normalize, build_model, count_flops, count_macs
 from largebatch.models.resnet import BasicBlock, Bottleneck
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,7 @@ from largebatch.errors import UserError
 from largebatch.models import build_model
 from largebatch.optim import LAMB, LARS, OPTIMIZERS, build_optimizer, param_groups
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread hand-offs on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 
 # Four tensors: an ordinary weight, a second weight, a weight that is all zeros (||w|| = 0), and one
