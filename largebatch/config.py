@@ -60,6 +60,9 @@ class DataConfig:
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
     train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
     subset: Optional[int] = _doc(None, "train on a fixed random subset of this many training images (null = all)")
+    resolution_phases: list = _doc([], "progressive resizing: list of {start_epoch, image_size}; training batches are "
+                                       "resized (antialiased) to image_size from start_epoch on, evaluation stays at "
+                                       "the data's own size; empty means no resizing")
 
 
 @dataclass
@@ -127,6 +130,8 @@ class CommConfig:
     compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
     bucket_mb: float = _doc(25.0, "DDP bucket size in MB (tensor fusion)")
     grid: Optional[str] = _doc(None, "torus2d grid 'XxY' (default: processes per node x nodes)")
+    pipeline: Optional[int] = _doc(None, "torus2d/hierarchical: pieces per bucket overlapped across the two levels "
+                                         "(null = one per 4 MB, 1 = off)")
     timeout_s: float = _doc(600.0, "collective timeout; when it fires the error names the missing ranks")
 
 
@@ -361,6 +366,15 @@ def validate(cfg: Config) -> None:
         unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
         if unknown:
             raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
+    for i, phase in enumerate(cfg.data.resolution_phases):
+        if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
+            raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
+                            f"got {phase!r}.")
+        start, size = phase["start_epoch"], phase["image_size"]
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0:
+            raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 4:
+            raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
 
 
 def save(cfg: Config, path: Path) -> None:

@@ -95,6 +95,8 @@ def _check_ddp(p: int, rank: int) -> None:
     def grads(hook: str | None, compression: str = "none") -> list[list[torch.Tensor]]:
         net = DDP(model(), bucket_cap_mb=0.002)
         fast_path_off = {} if hook in (None, "noop", "native") else {"small_bytes": 0}   # tiny buckets: run the algorithm
+        if hook in ("torus2d", "hierarchical"):
+            fast_path_off["pipeline"] = 2               # the cross-level worker thread, from the hook's thread
         state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
         out = []
         for it in range(2):
@@ -140,6 +142,8 @@ def _check_errors(p: int, rank: int) -> None:
         (lambda: comm.allreduce(x, "torus2d", grid="4"), "not of the form"),
         (lambda: comm.allreduce(x, "hierarchical", local_size=3), "local_size=3"),
         (lambda: comm.allreduce(x, "ring", grid="2x2"), "do not apply"),
+        (lambda: comm.allreduce(x, "hierarchical", pipeline=0), "pipeline=0"),
+        (lambda: comm.allreduce(x, "ring", pipeline=2), "do not apply"),
         (lambda: comm.allreduce(torch.ones(3, dtype=torch.int32), "ring", compression="fp16"), "floating-point"),
     ]:
         with pytest.raises(UserError, match=needle):
@@ -166,11 +170,19 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
                 case += 1
                 _check(p, rank, n, case, "torus2d", grid=grid)
             _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid)
+            for pieces in (3, 7):                       # pipelined: pieces of 65537 elements, and more pieces than some chunks
+                case += 1
+                _check(p, rank, 65537 if pieces == 3 else p + 1, case, "torus2d", grid=grid, pipeline=pieces)
+            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, pipeline=3)
         for k in LOCAL_SIZES[p]:
             for inter in ("halving_doubling", "ring", "native"):
                 case += 1
                 _check(p, rank, 1009, case, "hierarchical", local_size=k, inter=inter)
             _check(p, rank, 4099, case, "hierarchical", "bf16", local_size=k)
+            for inter in ("halving_doubling", "native"):
+                case += 1
+                _check(p, rank, 65537, case, "hierarchical", local_size=k, inter=inter, pipeline=4)
+            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, pipeline=3)
         for algorithm in comm.ALGORITHMS:
             for dtype in (torch.int32, torch.int64, torch.float64):
                 case += 1

@@ -96,6 +96,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
     ap.add_argument("--grid", default=None, help="torus2d grid XxY (default: processes per node x nodes)")
     ap.add_argument("--local-size", type=int, default=None, help="hierarchical processes per node")
+    ap.add_argument("--pipeline", type=int, default=None,
+                    help="torus2d/hierarchical pieces overlapped across levels (default one per 4 MB; 1 = off)")
     ap.add_argument("--small-bytes", type=int, default=None,
                     help="p2p algorithms hand tensors below this many bytes to native (default: "
                          "largebatch.comm.SMALL_BYTES; 0 = always run the algorithm itself)")
@@ -191,6 +193,8 @@ def _options(name: str, args: Any) -> dict[str, Any]:
         opts["grid"] = args.grid
     if name == "hierarchical":
         opts["local_size"] = args.local_size
+    if name in ("torus2d", "hierarchical"):
+        opts["pipeline"] = args.pipeline
     return opts
 
 
@@ -308,7 +312,7 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
             r["predicted_s"] = None                                   # no model for a non-physical node size
             continue
         r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
-                                        small_bytes=0 if name == "native" else small)
+                                        small_bytes=0 if name == "native" else small, pipeline=args.pipeline)
         r["error"] = r["predicted_s"] / r["time_s"] - 1
         r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
         f = fits.setdefault(name, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})

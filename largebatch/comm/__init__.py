@@ -13,7 +13,9 @@ hierarchical       node reduce-scatter, cross-node all-reduce, node all-gather
 
 Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
 `largebatch.comm.compression`), ``grid="XxY"`` (torus2d), ``local_size=K`` and
-``inter=halving_doubling|ring|native`` (hierarchical), ``small_bytes=B`` (every
+``inter=halving_doubling|ring|native`` (hierarchical), ``pipeline=N`` (torus2d and
+hierarchical: pieces overlapped across the two levels, `largebatch.comm.pipeline`;
+default one per 4 MB, 1 = no overlap), ``small_bytes=B`` (every
 p2p algorithm: tensors of fewer than ``B`` bytes go to ``native`` instead, the
 small-message fast path; default `SMALL_BYTES`, 0 turns it off). ``None`` values
 are ignored, so a config section can pass all its fields; a set option that the
@@ -57,8 +59,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "native": {},
     "ring": {"small_bytes": SMALL_BYTES},
     "halving_doubling": {"small_bytes": SMALL_BYTES},
-    "torus2d": {"grid": None, "small_bytes": SMALL_BYTES},
-    "hierarchical": {"local_size": None, "inter": "halving_doubling", "small_bytes": SMALL_BYTES},
+    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES},
+    "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES},
 }
 HOOK_ONLY = ("noop",)
 
@@ -95,6 +97,11 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
         if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:
             raise UserError(f"small_bytes={sb!r} must be a whole number of bytes >= 0 (0 turns the "
                             f"small-message fast path off).")
+    if merged.get("pipeline") is not None:
+        pl = merged["pipeline"]
+        if isinstance(pl, bool) or not isinstance(pl, int) or pl < 1:
+            raise UserError(f"pipeline={pl!r} must be a whole number of pieces >= 1 (1 turns the overlap of "
+                            f"the two levels off), or left unset for one piece per 4 MB.")
     if "grid" in merged and merged["grid"] is not None:
         from largebatch.comm.topology import parse_grid
 

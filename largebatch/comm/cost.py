@@ -12,8 +12,13 @@ same steps as the files of `largebatch.comm`. Here:
    (each rank sends to the same local rank of the next node, so K flows leave each node),
    for a range of message sizes; and the local ``add_`` of m bytes (gamma).
 2. `fit_link`: alpha and beta of one link from those step times, ``T(m) = alpha + f m beta``
-   (f flows sharing the link), by least squares on the *relative* error (each timing weighted
-   by 1/T, so small and large messages count alike), both kept non-negative.
+   (f flows sharing the link), Hockney's way: beta from the large messages (>= `LARGE_BYTES`,
+   the bandwidth regime that the big all-reduces live in; least squares on the absolute time),
+   alpha from the small ones (< `SMALL_FIT_BYTES`, what is left of their time after f m beta).
+   One relative-error line through all sizes fitted the small messages and missed the large:
+   on 1 host x 4 loopback a step of 16 MB took 25 ms while that line said 19 ms (the step time
+   grows faster than linearly once messages leave the caches). gamma likewise comes from the
+   adds of >= `LARGE_BYTES` (out of cache, every rank adding at once).
 3. `topology`: the perf `Topology` of the run (p ranks, K per node, the two links, gamma).
 4. `predict`: the perf cost function of the algorithm on that topology; ``native`` (gloo's or
    NCCL's own all-reduce) is modelled as a ring; a p2p algorithm below its ``small_bytes``
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from largebatch.comm.pipeline import MAX_PIECES, PIECE_BYTES
 from largebatch.comm.topology import parse_grid
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d
 from largebatch.perf.catalog import Link
@@ -54,15 +60,49 @@ def fit(coeffs: Sequence[tuple[float, float]], times: Sequence[float]) -> tuple[
     return min(only_x, only_y, key=loss)
 
 
+LARGE_BYTES = 1 << 20
+SMALL_FIT_BYTES = 64 << 10
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Ordinary least squares ``y = a + b x``; ``(a, b)``, b through the origin for a single point."""
+    n = len(xs)
+    if n == 1:
+        return 0.0, ys[0] / xs[0] if xs[0] else 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
 def fit_link(name: str, sizes: Sequence[float], times: Sequence[float], flows: int = 1) -> Link:
-    """Step 2: the `Link` (alpha, bandwidth) whose step time ``alpha + flows * m / B`` fits ``times``."""
-    alpha, beta = fit([(1.0, flows * m) for m in sizes], times)
+    """Step 2: the `Link` (alpha, bandwidth) whose step time ``alpha + flows * m / B`` fits ``times``:
+    beta from the large messages, alpha from the small ones (falling back to the relative-error
+    fit through all sizes when either range is empty)."""
+    large = [(flows * m, t) for m, t in zip(sizes, times) if m >= LARGE_BYTES]
+    small = [(flows * m, t) for m, t in zip(sizes, times) if m < SMALL_FIT_BYTES]
+    if len(large) < 2 or not small:
+        alpha, beta = fit([(1.0, flows * m) for m in sizes], times)
+    else:
+        beta = max(_slope([x for x, _ in large], [t for _, t in large])[1], 0.0)
+        alpha = max(sum(t - x * beta for x, t in small) / len(small), 0.0)
     return Link(name, alpha, 1.0 / beta if beta > 0 else float("inf"), source="measured step times")
 
 
 def fit_gamma(sizes: Sequence[float], times: Sequence[float]) -> float:
-    """Seconds per reduced byte from timings of ``add_`` on ``sizes`` bytes (through the origin)."""
+    """Seconds per reduced byte from timings of ``add_`` on ``sizes`` bytes: the slope over the sizes of
+    at least `LARGE_BYTES` when there are two (out of cache), else through the origin over all."""
+    large = [(m, t) for m, t in zip(sizes, times) if m >= LARGE_BYTES]
+    if len(large) >= 2:
+        return max(_slope([m for m, _ in large], [t for _, t in large])[1], 0.0)
     return fit([(0.0, m) for m in sizes], times)[1]
+
+
+def pipeline_pieces(pipeline: Optional[int], nbytes: float) -> int:
+    """The piece count `largebatch.comm.pipeline.resolve_pieces` picks for a CPU tensor of ``nbytes``."""
+    if pipeline is not None:
+        return max(1, int(pipeline))
+    return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
 
 
 def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma: float = 0.0) -> Topology:
@@ -71,11 +111,13 @@ def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma:
 
 
 def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] = None,
-            inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None) -> float:
+            inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None,
+            pipeline: Optional[int] = None) -> float:
     """Step 4: predicted seconds of one all-reduce of ``nbytes`` on ``topo``.
 
     ``grid`` (torus2d "XxY") defaults to K x nodes like the implementation; ``local_size``, when
-    given, must be the topology's (hierarchical always uses the node size of ``topo``).
+    given, must be the topology's (hierarchical always uses the node size of ``topo``); ``pipeline``
+    is the option of the same name (None: the implementation's default piece count on CPU).
     """
     if local_size is not None and local_size != topo.devices_per_node:
         raise ValueError(f"local_size {local_size} differs from the topology's {topo.devices_per_node}")
@@ -85,9 +127,10 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
         return ring.cost(nbytes, topo)
     if algorithm == "halving_doubling":
         return halving_doubling.cost(nbytes, topo)
+    pieces = pipeline_pieces(pipeline, nbytes)
     if algorithm == "torus2d":
         x = parse_grid(grid)[0] if grid else topo.devices_per_node
-        return torus2d.cost(nbytes, topo, x)
+        return torus2d.cost(nbytes, topo, x, pieces)
     if algorithm == "hierarchical":
-        return hierarchical.cost(nbytes, topo, inter)
+        return hierarchical.cost(nbytes, topo, inter, pieces)
     raise ValueError(f"no cost model for {algorithm!r}")

@@ -16,6 +16,10 @@ ranks ``mK .. mK+K-1``.
    carrying 1/K of the tensor.
 3. All-gather inside each node (ring).
 
+Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default one
+piece per 4 MB, see `largebatch.comm.pipeline`), so the in-node steps of one piece
+overlap the cross-node all-reduce of another.
+
 Differs from `torus2d` (same data movement with a ring across nodes) by the
 cross-node algorithm: with halving/doubling its latency term is
 ``2 log2(nodes)`` instead of ``2(nodes - 1)``.
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch.comm import halving_doubling, native, ring
+from largebatch.comm.pipeline import resolve_pieces, two_level
 from largebatch.comm.compression import Codec
 from largebatch.comm.groups import partition_group
 from largebatch.comm.topology import cross_blocks, node_blocks, resolve_local_size
@@ -43,12 +48,10 @@ def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[i
 
 
 def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
-              codec: Codec, local_size: Optional[int] = None, inter: str = "halving_doubling") -> None:
+              codec: Codec, local_size: Optional[int] = None, inter: str = "halving_doubling",
+              pipeline: Optional[int] = None) -> None:
     """Sum ``flat`` in place over ``group`` with ``local_size`` ranks per node (steps 1-3)."""
     if inter not in INTER:
         raise UserError(f"hierarchical inter={inter!r} is unknown; choose one of: {', '.join(INTER)}.")
-    (ng, nranks, ni), (xg, xranks, xi) = setup(group, len(ranks), local_size)
-    off = ring.reduce_scatter(flat, nranks, ni, ng, codec)                  # 1. inside the node
-    own = ring.owned_chunk(ni, len(nranks))
-    INTER[inter](flat[off[own]:off[own + 1]], xranks, xi, xg, codec)       # 2. across nodes
-    ring.all_gather(flat, off, nranks, ni, ng, codec)                       # 3. inside the node
+    node, cross = setup(group, len(ranks), local_size)
+    two_level(flat, node, cross, INTER[inter], codec, resolve_pieces(pipeline, flat))

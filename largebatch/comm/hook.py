@@ -46,19 +46,21 @@ class CommHookState:
     """Validated hook configuration plus (unpicklable) runtime resources.
 
     Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``),
-    ``compression``, ``grid``, ``local_size``, ``inter``, ``small_bytes``, ``timeout_s``.
+    ``compression``, ``grid``, ``local_size``, ``inter``, ``pipeline``, ``small_bytes``, ``timeout_s``.
     """
 
-    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "small_bytes", "timeout_s")
+    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "pipeline", "small_bytes", "timeout_s")
 
     def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
                  local_size: Optional[int] = None, inter: Optional[str] = None,
-                 small_bytes: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
+                 small_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
+                 pipeline: Optional[int] = None) -> None:
         self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid, "local_size": local_size,
-                                              "inter": inter, "small_bytes": small_bytes}, allow_noop=True)
+                                              "inter": inter, "pipeline": pipeline, "small_bytes": small_bytes},
+                                  allow_noop=True)
         self.algorithm, self.compression = algorithm, compression
         self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
-        self.small_bytes = small_bytes
+        self.small_bytes, self.pipeline = small_bytes, pipeline
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -153,7 +155,7 @@ def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any
     """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state.
 
     Collective: call on every rank, in the same order as other group creations.
-    ``options``: compression, grid, local_size, inter, small_bytes, timeout_s (``None`` = default);
+    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s (``None`` = default);
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)

@@ -10,6 +10,10 @@ nodes, so rows stay inside a node and only columns cross the network.
    column, on the column's own sub-group): it now holds the global sum.
 3. All-gather along each row (`ring.all_gather`): every rank ends with the whole sum.
 
+Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default one
+piece per 4 MB, see `largebatch.comm.pipeline`), so the row steps of one piece overlap
+the column all-reduce of another.
+
 Bytes sent per rank equal the ring's, ``2(N-1)/N n``; latency steps are
 ``2(X-1) + 2(Y-1)`` instead of ``2(N-1)``. The row and column sub-groups are
 created once for the whole grid (`largebatch.comm.groups`).
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch.comm import ring
+from largebatch.comm.pipeline import resolve_pieces, two_level
 from largebatch.comm.compression import Codec
 from largebatch.comm.groups import partition_group
 from largebatch.comm.topology import grid_cols, grid_rows, resolve_grid
@@ -34,10 +39,7 @@ def setup(group: Optional[dist.ProcessGroup], world: int, grid: Optional[str]) -
 
 
 def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
-              codec: Codec, grid: Optional[str] = None) -> None:
+              codec: Codec, grid: Optional[str] = None, pipeline: Optional[int] = None) -> None:
     """Sum ``flat`` in place over ``group`` arranged as ``grid`` (steps 1-3)."""
-    (rg, rranks, ri), (cg, cranks, ci) = setup(group, len(ranks), grid)
-    off = ring.reduce_scatter(flat, rranks, ri, rg, codec)                 # 1. along the row
-    own = ring.owned_chunk(ri, len(rranks))
-    ring.allreduce(flat[off[own]:off[own + 1]], cranks, ci, cg, codec)      # 2. along the column
-    ring.all_gather(flat, off, rranks, ri, rg, codec)                       # 3. along the row
+    row, col = setup(group, len(ranks), grid)
+    two_level(flat, row, col, ring.allreduce, codec, resolve_pieces(pipeline, flat))

@@ -15,18 +15,21 @@ reduce-scatter and all-gather. With g devices per node (K = g) and n nodes:
    Goyal's 4(g-1) (reduce = reduce-scatter + gather, broadcast = scatter + all-gather).
 3. Intra-node ring all-gather: g-1 steps of S/g.
 
+With `pieces` > 1 the three steps run pipelined over that many pieces of the gradient
+(`largebatch.comm.pipeline`, `topology.pipelined`).
+
 A partial last node (devices not a multiple of g) is modelled with the same step counts; its
 missing local ranks simply send nothing in step 2.
 """
 from __future__ import annotations
 
 from largebatch.perf import halving_doubling
-from largebatch.perf.topology import Topology, ring_all_gather, ring_reduce_scatter
+from largebatch.perf.topology import Topology, pipelined, ring_all_gather, ring_reduce_scatter
 
 INTER = ("halving_doubling", "ring", "native")   # native (the backend's collective) is modelled as a ring
 
 
-def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling") -> float:
+def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling", pieces: int = 1) -> float:
     """Seconds for one hierarchical all-reduce of `nbytes` over all devices (steps 1-3)."""
     if inter not in INTER:
         raise ValueError(f"no inter-node algorithm {inter!r}")
@@ -36,12 +39,14 @@ def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling") -> floa
     nodes = [list(range(s, min(s + g, p))) for s in range(0, p, g)]
     k = max(len(n) for n in nodes)
     cross = [[n[j] for n in nodes if j < len(n)] for j in range(k)]
-    part = nbytes / k
-    t = ring_reduce_scatter(topo, nodes, nbytes)                                    # 1.
+    piece = nbytes / pieces
+    part = piece / k
+    rs = ring_reduce_scatter(topo, nodes, piece)                                    # 1.
+    x = 0.0
     if len(nodes) > 1:                                                              # 2.
         if inter == "halving_doubling":
-            t += halving_doubling.cost(part, topo, groups=[c for c in cross if len(c) == len(nodes)])
+            x = halving_doubling.cost(part, topo, groups=[c for c in cross if len(c) == len(nodes)])
         else:
-            t += ring_reduce_scatter(topo, cross, part) + ring_all_gather(topo, cross, part)
-    t += ring_all_gather(topo, nodes, nbytes)                                       # 3.
-    return t
+            x = ring_reduce_scatter(topo, cross, part) + ring_all_gather(topo, cross, part)
+    ag = ring_all_gather(topo, nodes, piece)                                        # 3.
+    return pipelined(rs, x, ag, pieces)

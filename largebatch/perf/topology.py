@@ -73,3 +73,22 @@ def ring_all_gather(topo: Topology, groups: Sequence[Sequence[int]], nbytes: flo
     """Ring all-gather of a `nbytes` result within each group concurrently: k-1 steps of nbytes/k."""
     k = max(len(g) for g in groups)
     return 0.0 if k < 2 else (k - 1) * topo.step(ring_edges(groups), nbytes / k)
+
+
+def pipelined(rs: float, cross: float, ag: float, pieces: int) -> float:
+    """Seconds of a two-level all-reduce pipelined over `pieces` pieces (`largebatch.comm.pipeline`),
+    given one piece's reduce-scatter, cross-level all-reduce and all-gather times.
+
+    The caller runs the in-node stages, a worker the cross-level one: reduce-scatters back to back,
+    piece j's cross step after its reduce-scatter and after piece j-1's cross step, piece j's
+    all-gather after its cross step, the last reduce-scatter and piece j-1's all-gather.
+    One piece gives rs + cross + ag.
+    """
+    cross_end, ends = 0.0, []
+    for j in range(1, pieces + 1):
+        cross_end = max(cross_end, j * rs) + cross
+        ends.append(cross_end)
+    t = pieces * rs
+    for end in ends:
+        t = max(t, end) + ag
+    return t

@@ -7,6 +7,9 @@ The p ranks form an X x Y grid, rank = y * X + x (a row is X consecutive ranks):
    2(Y-1) steps of S/(XY) bytes.
 3. All-gather along each row: X-1 steps of S/X bytes.
 
+With `pieces` > 1 the three steps run pipelined over that many pieces of the gradient
+(`largebatch.comm.pipeline`, `topology.pipelined`).
+
 Bytes per rank equal the ring's, 2S(p-1)/p; latency steps are 2(X-1) + 2(Y-1) instead of 2(p-1).
 All rows (and all columns) run concurrently, so the column rings share the inter-node links:
 with X >= g every device of a node leaves it in step 2.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 
 from largebatch.errors import UserError
-from largebatch.perf.topology import Topology, ring_all_gather, ring_reduce_scatter
+from largebatch.perf.topology import Topology, pipelined, ring_all_gather, ring_reduce_scatter
 
 
 def grid(p: int, x: int | None = None, topo: Topology | None = None, nbytes: float = 0.0) -> tuple[int, int]:
@@ -34,7 +37,7 @@ def grid(p: int, x: int | None = None, topo: Topology | None = None, nbytes: flo
     return best[1], p // best[1]
 
 
-def cost(nbytes: float, topo: Topology, x: int | None = None) -> float:
+def cost(nbytes: float, topo: Topology, x: int | None = None, pieces: int = 1) -> float:
     """Seconds for one 2D-torus all-reduce of `nbytes` over all devices on an X-wide grid."""
     p = topo.devices
     if p < 2:
@@ -44,8 +47,9 @@ def cost(nbytes: float, topo: Topology, x: int | None = None) -> float:
     y = p // x
     rows = [list(range(j * x, (j + 1) * x)) for j in range(y)]
     cols = [list(range(i, p, x)) for i in range(x)]
-    t = ring_reduce_scatter(topo, rows, nbytes)                                    # 1.
-    part = nbytes / x
-    t += ring_reduce_scatter(topo, cols, part) + ring_all_gather(topo, cols, part)  # 2.
-    t += ring_all_gather(topo, rows, nbytes)                                       # 3.
-    return t
+    piece = nbytes / pieces
+    part = piece / x
+    rs = ring_reduce_scatter(topo, rows, piece)                                        # 1.
+    col = ring_reduce_scatter(topo, cols, part) + ring_all_gather(topo, cols, part)    # 2.
+    ag = ring_all_gather(topo, rows, piece)                                            # 3.
+    return pipelined(rs, col, ag, pieces)

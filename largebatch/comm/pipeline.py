@@ -1,0 +1,96 @@
+"""Pipelined two-level all-reduce: the in-node steps of one piece overlap the cross-node step of another.
+
+`torus2d` and `hierarchical` move a tensor in three stages: reduce-scatter inside a row/node
+(fast links), all-reduce across rows/nodes (the slow network), all-gather inside again. Run
+one after the other, the fast links idle while the network works and the other way round, so a
+two-level scheme reaches the network's bound (a flat ring sends 1.5x the bytes out of a node on
+2 x 2) only when the in-node stages cost nothing. Mikami et al. and Horovod's hierarchical
+all-reduce hide them by pipelining; here:
+
+1. Split the flat tensor into ``pieces`` near-equal pieces (`chunking.bounds`).
+2. The calling thread reduce-scatters piece 1, 2, ... inside the node, handing each piece's
+   owned chunk to one cross-node worker thread (a FIFO queue) as soon as it is reduced.
+3. The worker all-reduces the chunks across nodes in that order, on the cross-node sub-group,
+   while the caller reduce-scatters the next pieces.
+4. The caller then waits for piece 1's cross-node result, all-gathers it inside the node, and so
+   on: piece j's all-gather overlaps the cross-node all-reduce of pieces j+1, ....
+
+Each sub-group is used by one thread only (in-node: the caller; cross-node: the worker), and
+every rank issues the same sequence on each, so point-to-point messages and collective sequence
+numbers match. One worker per process, made on first use; like the DDP hook's thread it only
+waits in gloo and runs ``add_`` in ATen, both without the GIL. CPU (gloo) only: on CUDA the
+stages already run asynchronously on the stream, so `allreduce` runs them one after the other.
+
+Pieces trade overlap against latency: each adds ``2(K-1) + (cross steps)`` messages. ``auto``
+takes one piece per `PIECE_BYTES` (at most `MAX_PIECES`).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import ring
+from largebatch.comm.chunking import bounds
+from largebatch.comm.compression import Codec
+
+PIECE_BYTES = 4 << 20
+MAX_PIECES = 8
+
+_lock = threading.Lock()
+_worker: Optional[ThreadPoolExecutor] = None
+
+Group = tuple[Optional[dist.ProcessGroup], list[int], int]   # (subgroup, global ranks, index): groups.partition_group
+Cross = Callable[[torch.Tensor, list[int], int, Optional[dist.ProcessGroup], Codec], None]
+
+
+def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
+    """Step 1's piece count: ``pieces`` as given, or one per `PIECE_BYTES` (1..`MAX_PIECES`) for None."""
+    if flat.device.type != "cpu":
+        return 1
+    if pieces is None:
+        pieces = min(MAX_PIECES, max(1, flat.numel() * flat.element_size() // PIECE_BYTES))
+    return max(1, min(int(pieces), flat.numel()))
+
+
+def _cross_worker() -> ThreadPoolExecutor:
+    global _worker
+    with _lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="largebatch-cross")
+        return _worker
+
+
+def two_level(flat: torch.Tensor, local: Group, cross: Group, cross_allreduce: Cross, codec: Codec,
+              pieces: int) -> None:
+    """Sum ``flat`` in place: ring reduce-scatter on ``local``, ``cross_allreduce`` of each owned chunk on
+    ``cross``, ring all-gather on ``local``, over ``pieces`` pieces (steps 1-4; ``pieces == 1`` runs
+    the three stages in order on the calling thread)."""
+    (lg, lranks, li), (xg, xranks, xi) = local, cross
+    own = ring.owned_chunk(li, len(lranks))
+    if pieces <= 1:
+        off = ring.reduce_scatter(flat, lranks, li, lg, codec)
+        cross_allreduce(flat[off[own]:off[own + 1]], xranks, xi, xg, codec)
+        ring.all_gather(flat, off, lranks, li, lg, codec)
+        return
+    cut = bounds(flat.numel(), pieces)                                                   # 1.
+    worker = _cross_worker()
+    pending: list[tuple[torch.Tensor, list[int], Future]] = []
+    try:
+        for j in range(pieces):                                                          # 2.
+            piece = flat[cut[j]:cut[j + 1]]
+            off = ring.reduce_scatter(piece, lranks, li, lg, codec)
+            chunk = piece[off[own]:off[own + 1]]
+            pending.append((piece, off, worker.submit(cross_allreduce, chunk, xranks, xi, xg, codec)))  # 3.
+        for piece, off, done in pending:                                                 # 4.
+            done.result()
+            ring.all_gather(piece, off, lranks, li, lg, codec)
+    finally:
+        for _, _, done in pending:   # never leave the worker writing into a tensor the caller gave up
+            try:
+                done.result()
+            except Exception:
+                pass
