@@ -13,10 +13,13 @@ PYTEST_ARGS ?=
 setup: $(STAMP) system-deps
 
 # torch first, pinned to the local CPU wheel: any looser range downloads GBs of CUDA packages.
+# --no-compile, then scripts/warm_bytecode.py caches bytecode for just the modules a run imports
+# (pip compiling all of torch took most of the set-up time).
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
+	$(PY) scripts/warm_bytecode.py
 	touch $(STAMP)
 
 # Debian packages: the embedded Fashion-MNIST data set, and iproute2 for the namespaced cluster.

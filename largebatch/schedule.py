@@ -101,6 +101,17 @@ class Segment:
     peak_lr: float
 
 
+def resolution_at(phases: list[dict], epoch: float) -> int | None:
+    """Training image size at (fractional) `epoch` under progressive resizing, or None for the data's
+    own size: the image_size of the last phase whose start_epoch is <= epoch (fast.ai's DAWNBench
+    ImageNet runs trained at 128, then 224, then 288 px; FFCV ramps the same way)."""
+    size = None
+    for p in sorted(phases, key=lambda p: p["start_epoch"]):
+        if p["start_epoch"] <= epoch:
+            size = p["image_size"]
+    return size
+
+
 def split_batch(global_batch: int, world_size: int, micro_batch: int | None = None,
                 accumulation: int | None = None, where: str = "batch.global_batch") -> tuple[int, int]:
     """(micro_batch, accumulation) with micro_batch x world_size x accumulation == global_batch."""

@@ -71,6 +71,7 @@ def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
         "decay": cfg.schedule.decay, "label_smoothing": cfg.train.label_smoothing,
         "precision": cfg.train.precision, "train_size": train_size, "phases": d["phases"],
         "ensemble": d["ensemble"],
+        **({"resolution_phases": cfg.data.resolution_phases} if cfg.data.resolution_phases else {}),
     }
 
 
@@ -90,7 +91,7 @@ def print_plan(plan: dict) -> None:
 
     table = Table(title=f"largebatch plan: {plan['recipe']}", show_header=False)
     for key, value in plan.items():
-        if key not in ("phases", "ensemble"):
+        if key not in ("phases", "ensemble", "resolution_phases"):
             table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     Console().print(table)
     if len(plan["phases"]) > 1:
@@ -102,6 +103,10 @@ def print_plan(plan: dict) -> None:
         for ph in plan["phases"]:
             phases.add_row(*[f"{ph[c]:.6g}" if isinstance(ph[c], float) else str(ph[c]) for c in cols])
         Console().print(phases)
+    if plan.get("resolution_phases"):
+        sizes = ", ".join(f"{p['image_size']} px from epoch {p['start_epoch']}"
+                          for p in sorted(plan["resolution_phases"], key=lambda p: p["start_epoch"]))
+        Console().print(f"progressive resizing (training batches; evaluation at the data's size): {sizes}")
     if plan.get("ensemble"):
         segs = Table(title="Collapsed Ensemble segments (each ends in a collapse and a snapshot)")
         cols = ["kind", "start_epoch", "collapse_epoch", "end_epoch", "start_step", "collapse_step", "end_step",

@@ -32,7 +32,7 @@ from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metric
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
-from largebatch.schedule import Plan
+from largebatch.schedule import Plan, resolution_at
 
 
 class Classifier(nn.Module):
@@ -75,6 +75,16 @@ def to_model_layout(x: torch.Tensor, device: torch.device, channels_last: bool) 
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return x
+
+
+def resize_batch(x: torch.Tensor, size: int, channels_last: bool) -> torch.Tensor:
+    """Progressive resizing: a batch (uint8 or float) resized to size x size on its device, bilinear
+    with antialiasing when shrinking; the result is float in uint8/255 units, which the model's
+    Normalize layer takes as is."""
+    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False,
+                      antialias=size < x.shape[-1])
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def _no_buffer_broadcast() -> dict:
@@ -154,6 +164,8 @@ class Trainer:
                 options = {"compression": cfg.comm.compression}
                 if cfg.comm.grid:
                     options["grid"] = cfg.comm.grid
+                if cfg.comm.pipeline is not None:
+                    options["pipeline"] = cfg.comm.pipeline
                 options["timeout_s"] = cfg.comm.timeout_s
                 self.comm_state = register(self.ddp, cfg.comm.algorithm, **options)
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
@@ -281,8 +293,11 @@ class Trainer:
                 b.copy_(flat[offset: offset + b.numel()].view_as(b))
                 offset += b.numel()
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor):
-        return to_model_layout(x, self.device, self.channels_last), y.to(self.device, non_blocking=True)
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
+        x = to_model_layout(x, self.device, self.channels_last)
+        if size is not None and tuple(x.shape[-2:]) != (size, size):
+            x = resize_batch(x, size, self.channels_last)
+        return x, y.to(self.device, non_blocking=True)
 
     def _micro_batches(self, epoch: int, start: int, phase):
         """This rank's micro-batch indices for the rest of `epoch` from step-in-epoch `start`."""
@@ -297,14 +312,15 @@ class Trainer:
         self.stop.install()   # SIGTERM / SIGINT set a flag; ranks agree on it every step (reliability.py)
 
     # ------------------------------------------------------------------ training
-    def _train_step(self, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float) -> torch.Tensor:
+    def _train_step(self, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float,
+                    size: int | None = None) -> torch.Tensor:
         t = self.cfg.train
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micros):
-            x, y = self._to_device(x, y)
+            x, y = self._to_device(x, y, size)
             last = i == len(micros) - 1
             sync = contextlib.nullcontext() if (last or not self.info.distributed) else self.ddp.no_sync()
             with sync:
@@ -376,7 +392,8 @@ class Trainer:
                     self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
                     with self.watchdog.guard(self.step, "training step (stop flag + gradient all-reduce)"):
                         self.stop.start()                 # async flag all-reduce, overlaps the step
-                        loss_acc += self._train_step(micros, phase, lr)
+                        loss_acc += self._train_step(micros, phase, lr, resolution_at(
+                            self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
                         stop_now = self.stop.agreed()
                     self.train_time += time.perf_counter() - t0
                     self.images_seen += phase.global_batch

@@ -34,6 +34,9 @@ def test_set_overrides_convert_types():
     ("optim.lr=-0.1", "optim.lr is -0.1; it must be positive"),
     ("optim.name=adamw", "valid values: sgd, lars, lamb"),
     ("optim.lr", "not of the form section.key=value"),
+    ("data.resolution_phases=[{start_epoch: 0, size: 20}]", "data.resolution_phases[0] must be a mapping with exactly"),
+    ("data.resolution_phases=[{start_epoch: -1, image_size: 20}]", "start_epoch is -1; give a number >= 0"),
+    ("data.resolution_phases=[{start_epoch: 0, image_size: 2.5}]", "image_size is 2.5; give an integer"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(UserError) as err:

@@ -83,3 +83,21 @@ def test_phase_errors():
     with pytest.raises(UserError, match="larger than the 1000 training images"):
         Plan(BatchConfig(global_batch=2048), OptimConfig(), ScheduleConfig(epochs=2, warmup_epochs=0),
              world_size=1, train_size=1000)
+
+
+def test_progressive_resizing():
+    """data.resolution_phases: the size of the last phase started; None before the first; a resized
+    batch is float in uint8/255 units, in the model's memory format."""
+    import torch
+
+    from largebatch.schedule import resolution_at
+    from largebatch.trainer import resize_batch
+
+    phases = [{"start_epoch": 3, "image_size": 28}, {"start_epoch": 0.5, "image_size": 20}]
+    assert [resolution_at(phases, e) for e in (0, 0.49, 0.5, 2.99, 3, 10)] == [None, None, 20, 20, 28, 28]
+    assert resolution_at([], 5) is None
+    x = torch.full((2, 1, 28, 28), 255, dtype=torch.uint8)
+    y = resize_batch(x, 20, channels_last=True)
+    assert y.shape == (2, 1, 20, 20) and y.dtype == torch.float32
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(y, torch.ones_like(y))          # a flat image stays flat, in [0, 1] units
