@@ -10,6 +10,8 @@
    region covers exactly ``iters`` back-to-back all-reduces (CUDA: synchronised at
    the end). The time is the slowest rank's mean (taken after the timed region), and
    the median over calls of the slowest rank's per-call time (robust to a shared machine).
+   ``--rounds`` repeats the sweep over the algorithms, interleaved, and reports the median
+   round (a drift of the machine's speed then hits every algorithm alike).
 3. Report in the nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(p-1)/p,
    and busbw relative to ``native`` at the same size.
 4. Predict each algorithm's time from measured *links*, not from its own timings
@@ -105,7 +107,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--plot", default=None, help="write a PNG of busbw against size here (rank 0)")
     ap.add_argument("--training", action="store_true", help="exposed comm time per DDP training step instead")
     ap.add_argument("--steps", type=int, default=3, help="--training: timed steps per hook")
-    ap.add_argument("--rounds", type=int, default=3, help="--training: interleaved rounds (median reported)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds over the algorithms, per size or (--training) per hook; median reported")
     ap.add_argument("--batch", type=int, default=16, help="--training: images per worker per step")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="--training: DDP bucket_cap_mb")
     ap.add_argument("--width", type=int, default=32, help="--training: ResNet-18 width (channels of stage 1)")
@@ -226,23 +229,37 @@ def _timed(call: Any, iters: int, device: torch.device) -> tuple[float, float]:
 
 
 def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
-    """Step 2: one row per (algorithm, size) with the slowest rank's mean seconds per call."""
+    """Step 2: one row per (algorithm, size) with the slowest rank's seconds per call.
+
+    ``--rounds`` sweeps of all algorithms per size, interleaved (native, ring, ..., native, ring,
+    ...), so that a change of the machine's speed during a size hits every algorithm alike; the
+    row holds the median over rounds of each round's mean (and of its median), and every round's
+    mean in ``round_times_s``.
+    """
     names = ["native"] + [a for a in args.algorithms if a != "native"]
     rows = []
     for size in args.size_list:
         x = torch.zeros(size // 4, dtype=torch.float32, device=device)    # zeros: values never overflow
         iters = args.iters or _iters(size)
+        means: dict[str, list[float]] = {n: [] for n in names}
+        medians: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(max(1, args.rounds)):
+            for name in names:
+                opts = _options(name, args)
+                for _ in range(args.warmup):
+                    comm.allreduce(x, name, **opts)
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t, med = _timed(lambda: comm.allreduce(x, name, **opts), iters, device)
+                means[name].append(t)
+                medians[name].append(med)
         for name in names:
-            opts = _options(name, args)
-            for _ in range(args.warmup):
-                comm.allreduce(x, name, **opts)
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t, med = _timed(lambda: comm.allreduce(x, name, **opts), iters, device)
+            t, med = statistics.median(means[name]), statistics.median(medians[name])
             algbw = x.numel() * 4 / t
             rows.append({"algorithm": name, "compression": args.compression, "bytes": x.numel() * 4,
-                         "iters": iters, "time_s": t, "median_s": med, "algbw_GBps": algbw / 1e9,
+                         "iters": iters, "rounds": len(means[name]), "time_s": t, "median_s": med,
+                         "round_times_s": means[name], "algbw_GBps": algbw / 1e9,
                          "busbw_GBps": algbw * 2 * (p - 1) / p / 1e9})
     return rows
 
@@ -333,7 +350,7 @@ def _print_table(rows: list[dict[str, Any]], fits: dict, links: dict, p: int, ar
         tail = f"{pred * 1e6:>10.1f} {r['error']:>+7.0%}" if pred is not None else f"{'-':>10} {'-':>7}"
         print(f"{human(r['bytes']):>8} {r['algorithm']:>17} {r['time_s'] * 1e6:>11.1f} {r['algbw_GBps']:>12.3f} "
               f"{r['busbw_GBps']:>12.3f} {r['busbw_GBps'] / native[r['bytes']]:>9.2f} {r['median_s'] * 1e6:>10.1f} {tail}")
-    print("# links (one exchange step, all ranks at once; fitted alpha + flows * m / B, least squares on relative error)")
+    print("# links (one exchange step, all ranks at once; fitted alpha + flows * m / B: B from >= 1 MB, alpha from < 64 KB)")
     for name in ("intra", "inter"):
         if name in links:
             f = links[name]

@@ -22,7 +22,10 @@ waits in gloo and runs ``add_`` in ATen, both without the GIL. CPU (gloo) only: 
 stages already run asynchronously on the stream, so `allreduce` runs them one after the other.
 
 Pieces trade overlap against latency: each adds ``2(K-1) + (cross steps)`` messages. ``auto``
-takes one piece per `PIECE_BYTES` (at most `MAX_PIECES`).
+takes one piece per `PIECE_BYTES` (at most `MAX_PIECES`). A cross level of one rank (one node,
+or a torus grid with one row) has nothing to overlap, so it always runs as one piece: on one host
+the two levels share the same cores, and 4 pieces made 16-64 MB torus2d / hierarchical 10-30% slower
+on 1 host x 4 (docs/communication.md).
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def two_level(flat: torch.Tensor, local: Group, cross: Group, cross_allreduce: C
     the three stages in order on the calling thread)."""
     (lg, lranks, li), (xg, xranks, xi) = local, cross
     own = ring.owned_chunk(li, len(lranks))
-    if pieces <= 1:
+    if pieces <= 1 or len(xranks) == 1:   # a one-rank cross level has nothing to overlap with
         off = ring.reduce_scatter(flat, lranks, li, lg, codec)
         cross_allreduce(flat[off[own]:off[own + 1]], xranks, xi, xg, codec)
         ring.all_gather(flat, off, lranks, li, lg, codec)

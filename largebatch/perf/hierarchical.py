@@ -39,6 +39,7 @@ def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling", pieces:
     nodes = [list(range(s, min(s + g, p))) for s in range(0, p, g)]
     k = max(len(n) for n in nodes)
     cross = [[n[j] for n in nodes if j < len(n)] for j in range(k)]
+    pieces = pieces if len(nodes) > 1 else 1                                       # nothing to overlap
     piece = nbytes / pieces
     part = piece / k
     rs = ring_reduce_scatter(topo, nodes, piece)                                    # 1.

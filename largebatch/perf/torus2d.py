@@ -47,6 +47,7 @@ def cost(nbytes: float, topo: Topology, x: int | None = None, pieces: int = 1) -
     y = p // x
     rows = [list(range(j * x, (j + 1) * x)) for j in range(y)]
     cols = [list(range(i, p, x)) for i in range(x)]
+    pieces = pieces if y > 1 else 1                                                    # nothing to overlap
     piece = nbytes / pieces
     part = piece / x
     rs = ring_reduce_scatter(topo, rows, piece)                                        # 1.
