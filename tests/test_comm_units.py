@@ -131,3 +131,23 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "largebatch", "bench", "allreduce", "--algorithms", "rign"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "rign" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_pipelined_timeline() -> None:
+    """The two-level pipeline's timeline: one piece is the three stages in a row; with a dominant cross
+    stage the in-node stages hide behind it except for one piece's fill and drain."""
+    from largebatch.perf import hierarchical
+    from largebatch.perf.catalog import Link
+    from largebatch.perf.topology import pipelined
+
+    assert pipelined(1.0, 2.0, 3.0, 1) == 6.0
+    assert pipelined(1.0, 10.0, 1.0, 4) == 1.0 + 4 * 10.0 + 1.0           # cross-bound: fill + 4 x cross + drain
+    assert pipelined(5.0, 1.0, 5.0, 4) == 4 * 5.0 + 4 * 5.0                # in-node bound: the cross stage hides
+    fast, slow = Link("i", 0.0, 1e9), Link("e", 0.0, 1e8)
+    two_nodes = Topology(4, 2, fast, slow)
+    n = 64e6
+    assert hierarchical.cost(n, two_nodes, pieces=8) < hierarchical.cost(n, two_nodes, pieces=1)
+    one_node = Topology(4, 4, fast, fast)                                    # no cross level: pieces ignored
+    assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
+    assert cost.pipeline_pieces(None, 64 << 20) == 8 and cost.pipeline_pieces(None, 1 << 20) == 1
+    assert cost.pipeline_pieces(3, 1 << 20) == 3
