@@ -95,8 +95,10 @@ def _check_ddp(p: int, rank: int) -> None:
     def grads(hook: str | None, compression: str = "none") -> list[list[torch.Tensor]]:
         net = DDP(model(), bucket_cap_mb=0.002)
         fast_path_off = {} if hook in (None, "noop", "native") else {"small_bytes": 0}   # tiny buckets: run the algorithm
-        if hook in ("torus2d", "hierarchical"):
-            fast_path_off["pipeline"] = 2               # the cross-level worker thread, from the hook's thread
+        if hook == "torus2d":                            # one rank per row: the column step is the whole world,
+            fast_path_off.update(grid=f"1x{p}", pipeline=2)   # pipelined on the cross-level worker thread
+        if hook == "hierarchical":                       # one rank per "node", likewise
+            fast_path_off.update(local_size=1, pipeline=2)
         state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
         out = []
         for it in range(2):
