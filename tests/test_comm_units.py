@@ -138,6 +138,7 @@ def test_pipelined_timeline() -> None:
     stage the in-node stages hide behind it except for one piece's fill and drain."""
     from largebatch.perf import hierarchical
     from largebatch.perf.catalog import Link
+    from largebatch.comm.pipeline import pieces_for
     from largebatch.perf.topology import pipelined
 
     assert pipelined(1.0, 2.0, 3.0, 1) == 6.0
@@ -149,5 +150,5 @@ def test_pipelined_timeline() -> None:
     assert hierarchical.cost(n, two_nodes, pieces=8) < hierarchical.cost(n, two_nodes, pieces=1)
     one_node = Topology(4, 4, fast, fast)                                    # no cross level: pieces ignored
     assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
-    assert cost.pipeline_pieces(None, 64 << 20) == 8 and cost.pipeline_pieces(None, 1 << 20) == 1
-    assert cost.pipeline_pieces(3, 1 << 20) == 3
+    assert pieces_for(None, 64 << 20) == 8 and pieces_for(None, 1 << 20) == 1
+    assert pieces_for(3, 1 << 20) == 3

@@ -46,6 +46,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from largebatch.cli import ArgumentParser
+from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
 
 MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
@@ -88,14 +89,7 @@ def rrc_params(width: int, height: int, min_scale: float) -> tuple[int, int, int
         cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
         if 0 < cw <= width and 0 < ch <= height:
             return random.randint(0, height - ch), random.randint(0, width - cw), ch, cw
-    in_ratio = width / height  # fallback: centre crop, ratio clamped to [3/4, 4/3]
-    if in_ratio < 3 / 4:
-        cw, ch = width, int(round(width / (3 / 4)))
-    elif in_ratio > 4 / 3:
-        ch, cw = height, int(round(height * (4 / 3)))
-    else:
-        cw, ch = width, height
-    return (height - ch) // 2, (width - cw) // 2, ch, cw
+    return rrc_fallback(height, width)   # centre crop, ratio clamped to [3/4, 4/3]
 
 
 def to_tensor(img: Image.Image) -> torch.Tensor:

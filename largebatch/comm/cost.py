@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from largebatch.comm.pipeline import MAX_PIECES, PIECE_BYTES
+from largebatch.comm.pipeline import pieces_for
 from largebatch.comm.topology import parse_grid
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d
 from largebatch.perf.catalog import Link
@@ -98,13 +98,6 @@ def fit_gamma(sizes: Sequence[float], times: Sequence[float]) -> float:
     return fit([(0.0, m) for m in sizes], times)[1]
 
 
-def pipeline_pieces(pipeline: Optional[int], nbytes: float) -> int:
-    """The piece count `largebatch.comm.pipeline.resolve_pieces` picks for a CPU tensor of ``nbytes``."""
-    if pipeline is not None:
-        return max(1, int(pipeline))
-    return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
-
-
 def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma: float = 0.0) -> Topology:
     """Step 3: ``p`` ranks, ``local_size`` per node; one node needs no inter-node link."""
     return Topology(p, local_size, intra, inter if inter is not None else intra, 1, gamma)
@@ -127,7 +120,7 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
         return ring.cost(nbytes, topo)
     if algorithm == "halving_doubling":
         return halving_doubling.cost(nbytes, topo)
-    pieces = pipeline_pieces(pipeline, nbytes)
+    pieces = pieces_for(pipeline, nbytes)
     if algorithm == "torus2d":
         x = parse_grid(grid)[0] if grid else topo.devices_per_node
         return torus2d.cost(nbytes, topo, x, pieces)

@@ -23,9 +23,10 @@ stages already run asynchronously on the stream, so `allreduce` runs them one af
 
 Pieces trade overlap against latency: each adds ``2(K-1) + (cross steps)`` messages. ``auto``
 takes one piece per `PIECE_BYTES` (at most `MAX_PIECES`). A cross level of one rank (one node,
-or a torus grid with one row) has nothing to overlap, so it always runs as one piece: on one host
-the two levels share the same cores, and 4 pieces made 16-64 MB torus2d / hierarchical 10-30% slower
-on 1 host x 4 (docs/communication.md).
+or a torus grid with one row) has nothing to overlap, so it always runs as one piece. Pipelining pays
+only when the cross level is a slower, separate network: with both levels on one host's cores
+(1 host x 4 emulating 2 x 2, ``--grid 2x2 --local-size 2``) the pieces made 16-64 MB torus2d 18-33%
+and hierarchical 3-24% slower than ``pipeline=1`` (docs/communication.md).
 """
 from __future__ import annotations
 
@@ -50,13 +51,19 @@ Group = tuple[Optional[dist.ProcessGroup], list[int], int]   # (subgroup, global
 Cross = Callable[[torch.Tensor, list[int], int, Optional[dist.ProcessGroup], Codec], None]
 
 
+def pieces_for(pieces: Optional[int], nbytes: float) -> int:
+    """The piece count of a CPU tensor of ``nbytes``: ``pieces`` as given, or one per `PIECE_BYTES`
+    (1..`MAX_PIECES`) for None. The performance model (`largebatch.comm.cost`) uses it too."""
+    if pieces is None:
+        return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
+    return max(1, int(pieces))
+
+
 def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
-    """Step 1's piece count: ``pieces`` as given, or one per `PIECE_BYTES` (1..`MAX_PIECES`) for None."""
+    """Step 1's piece count for ``flat``: `pieces_for`, at most one piece per element, 1 off the CPU."""
     if flat.device.type != "cpu":
         return 1
-    if pieces is None:
-        pieces = min(MAX_PIECES, max(1, flat.numel() * flat.element_size() // PIECE_BYTES))
-    return max(1, min(int(pieces), flat.numel()))
+    return min(pieces_for(pieces, flat.numel() * flat.element_size()), max(1, flat.numel()))
 
 
 def _cross_worker() -> ThreadPoolExecutor:

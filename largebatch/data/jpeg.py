@@ -65,7 +65,12 @@ def rrc_box(h: int, w: int, min_scale: float, seed: int, epoch: int, index: int)
             top = int(keyed_random.uniform(seed, epoch, index, s + 2) * (h - ch + 1))
             left = int(keyed_random.uniform(seed, epoch, index, s + 3) * (w - cw + 1))
             return float(top), float(left), float(ch), float(cw)
-    # Fallback: centre crop with the aspect ratio clamped to [3/4, 4/3].
+    return tuple(float(v) for v in rrc_fallback(h, w))
+
+
+def rrc_fallback(h: int, w: int) -> tuple[int, int, int, int]:
+    """Random-resized-crop's fallback after 10 misses (torchvision's): the centre crop with the aspect
+    ratio clamped to [3/4, 4/3], as (top, left, height, width)."""
     in_ratio = w / h
     if in_ratio < 3 / 4:
         cw, ch = w, int(round(w / (3 / 4)))
@@ -73,7 +78,7 @@ def rrc_box(h: int, w: int, min_scale: float, seed: int, epoch: int, index: int)
         ch, cw = h, int(round(h * (4 / 3)))
     else:
         cw, ch = w, h
-    return float((h - ch) // 2), float((w - cw) // 2), float(ch), float(cw)
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
 def eval_box(h: int, w: int, size: int) -> Box:
