@@ -18,8 +18,10 @@ log "machine: $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'), torch $(.
 rm -rf /tmp/largebatch-fresh && git clone -q "$ROOT" /tmp/largebatch-fresh
 timed make_train_fresh make -C /tmp/largebatch-fresh train
 cp /tmp/largebatch-fresh/runs/*/summary.json "$OUT/make_train_summary.json" 2>/dev/null
-# 2. The speed-run recipe, one process with both cores.
-timed speedrun "$LB" train fashion_mnist_speedrun --run-dir "$OUT/speedrun" --quiet
+# 2. The speed-run recipe, 2 workers x 1 thread, seeds 0-2.
+for S in 0 1 2; do
+  timed speedrun_s$S "$LB" train fashion_mnist_speedrun --nproc-per-node 2 --set train.seed=$S --run-dir "$OUT/speedrun_s$S"
+done
 # 3. Training throughput: ResNet-50 at 128 px, plain loop vs largebatch, 1 and 2 threads.
 timed bench_train_1t "$LB" bench train --batch 8 --steps 2 --rounds 3 --threads 1 --configs fp32,fp32-cl --json "$OUT/bench_train_1t.json"
 timed bench_train_2t "$LB" bench train --batch 8 --steps 2 --rounds 3 --configs fp32,fp32-cl,bf16-cl --json "$OUT/bench_train_2t.json"
