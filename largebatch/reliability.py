@@ -13,11 +13,16 @@ The pieces and the order in which the trainer uses them:
    data sizes); `preflight()` fails fast with a UserError naming the rank that differs from
    rank 0, or the rank without data.
 4. Watchdog. Before each collective-bearing region (a training step, a checkpoint barrier,
-   an evaluation) each rank writes its sequence number, step and region name to the store: one
-   small TCP round trip, no collective, no device sync. When a collective in the region fails
-   (the comm.timeout_s timeout fires, or a peer died), `Watchdog.guard` reads every rank's last
-   check-in and raises `CollectiveTimeout` naming the region, the step and the ranks that did
-   not arrive.
+   an evaluation) each rank records its sequence number, step and region name: a local write,
+   no network traffic, no collective, no device sync. A publisher thread per rank sends the
+   latest record to the store when it changed, at most once per `publish_every_s` (default 1 s,
+   or world size / 1000 s beyond 1,000 ranks, so the store serves at most ~1,000 writes per
+   second however fast the steps are; never more than a quarter of the timeout). The thread
+   keeps running while the main thread is blocked in a collective or hung elsewhere, so every
+   live rank's record is at most one interval old. When a collective in the region fails (the
+   comm.timeout_s timeout fires, or a peer died), `Watchdog.guard` sends this rank's record,
+   waits 1.5 intervals for the peers' threads, reads every rank's record and raises
+   `CollectiveTimeout` naming the region, the step and the ranks whose record is behind.
 5. Stop agreement. SIGTERM / SIGINT only set a local flag. Each step starts an asynchronous
    1-element MAX all-reduce of that flag before the forward pass (it overlaps the step) and
    reads it after the step, so every rank agrees to stop after the same step even when the
@@ -36,6 +41,7 @@ import hashlib
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,22 +170,49 @@ def _is_comm_failure(exc: BaseException) -> bool:
 
 
 class Watchdog:
-    """Step 4: check-ins in the control store; turns a failed collective into a named error."""
+    """Step 4: check-ins recorded locally and published to the control store by a thread; turns a
+    failed collective into a named error."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float,
+                 publish_every_s: float | None = None) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.prefix = f"{_namespace()}/attempt{restart_count()}/checkin"
         self.seq = 0
+        if publish_every_s is None:
+            publish_every_s = max(1.0, world_size / 1000.0)
+        self.publish_every_s = min(publish_every_s, timeout_s / 4)
+        self._record = "0|0|start"
+        self._sent: str | None = None
+        self._lock = threading.Lock()      # one send at a time, and never an older record after a newer one
+        self._stop = threading.Event()
         if store is not None:
-            store.set(self._key(rank), "0|0|start")   # every rank's key exists before the first collective
+            self.flush()                   # every rank's key exists before the first collective
+            threading.Thread(target=self._publish, name="largebatch-watchdog", daemon=True).start()
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
     def check_in(self, step: int, region: str) -> None:
         self.seq += 1
-        if self.store is not None:
-            self.store.set(self._key(self.rank), f"{self.seq}|{step}|{region}")   # one TCP round trip
+        self._record = f"{self.seq}|{step}|{region}"   # local only: the publisher thread sends it
+
+    def flush(self) -> None:
+        """Send this rank's latest record now, if the store has an older one."""
+        with self._lock:
+            record = self._record
+            if record != self._sent:
+                self.store.set(self._key(self.rank), record)
+                self._sent = record
+
+    def _publish(self) -> None:
+        while not self._stop.wait(self.publish_every_s):
+            try:
+                self.flush()
+            except Exception:   # the store is gone (its host died); explain() reports that
+                return
+
+    def close(self) -> None:
+        self._stop.set()
 
     def missing(self) -> list[tuple[int, int, str]]:
         """(rank, last step, last region) of every rank whose last check-in is behind this rank's."""
@@ -206,6 +239,8 @@ class Watchdog:
         head = (f"rank {self.rank}: collective in '{region}' at step {step} failed "
                 f"(comm.timeout_s={self.timeout_s:g})")
         try:
+            self.flush()
+            time.sleep(1.5 * self.publish_every_s)   # the peers' publisher threads send their latest records
             late = self.missing()
         except Exception as store_exc:   # the store itself is gone (its host died)
             return CollectiveTimeout(f"{head}; the control store is unreachable too ({store_exc}); "
@@ -307,7 +342,8 @@ class FaultInjector:
 
 # ---------------------------------------------------------------------------------- overhead measurement
 def measure_overhead(steps: int = 2000) -> dict:
-    """Per-step cost of the watchdog check-in (store round trip) and of the stop-flag all-reduce,
+    """Per-step cost of the watchdog check-in (local), of one publish (a store round trip, sent at most
+    once per publish interval by the thread) and of the stop-flag all-reduce,
     in microseconds; run under torchrun: `torchrun --nproc-per-node 2 -m largebatch.reliability`."""
     from largebatch import dist as dist_mod
 
@@ -321,6 +357,12 @@ def measure_overhead(steps: int = 2000) -> dict:
     for step in range(steps):
         dog.check_in(step, "training step")
     check_in_us = (time.perf_counter() - t) / steps * 1e6
+    t = time.perf_counter()
+    for step in range(steps):     # what the publisher thread pays per send: one store round trip
+        dog.check_in(step, "training step")
+        dog.flush()
+    publish_us = (time.perf_counter() - t) / steps * 1e6
+    dog.close()
     if info.distributed:
         dist.barrier()
     t = time.perf_counter()
@@ -328,7 +370,8 @@ def measure_overhead(steps: int = 2000) -> dict:
         stop.start()
         stop.agreed()
     flag_us = (time.perf_counter() - t) / steps * 1e6
-    out = {"rank": info.rank, "world_size": info.world_size, "check_in_us": round(check_in_us, 1),
+    out = {"rank": info.rank, "world_size": info.world_size, "check_in_us": round(check_in_us, 2),
+           "publish_us": round(publish_us, 1),
            "stop_flag_allreduce_us": round(flag_us, 1), "steps": steps}
     dist_mod.shutdown()
     return out

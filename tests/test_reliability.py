@@ -75,12 +75,13 @@ def test_watchdog_names_missing_ranks_from_a_real_store(monkeypatch):
                            wait_for_workers=False)
     clients = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
                              wait_for_workers=False) for _ in range(3)]
-    dogs = [reliability.Watchdog(c, r, 3, timeout_s=5) for r, c in enumerate(clients)]
+    dogs = [reliability.Watchdog(c, r, 3, timeout_s=5, publish_every_s=0.05) for r, c in enumerate(clients)]
     for step in range(4):
         dogs[0].check_in(step, "training step")
         dogs[2].check_in(step, "training step")
         if step < 2:
             dogs[1].check_in(step, "training step")     # rank 1 stops arriving after step 1
+    time.sleep(0.5)                                     # the publisher threads send the latest records
     assert dogs[0].missing() == [(1, 1, "training step")]
     with pytest.raises(reliability.CollectiveTimeout,
                        match=r"'checkpoint' at step 4 .*ranks that did not arrive: rank 1 \(last seen at step 1"):
@@ -89,6 +90,34 @@ def test_watchdog_names_missing_ranks_from_a_real_store(monkeypatch):
     with pytest.raises(ZeroDivisionError):       # a bug is not dressed up as a communication failure
         with dogs[0].guard(5, "step"):
             raise ZeroDivisionError()
+    for dog in dogs:
+        dog.close()
+    del server
+
+
+def test_watchdog_check_ins_do_not_touch_the_store_each_step(monkeypatch):
+    """Steps only record locally; the thread sends the latest record at most once per interval, and a
+    rank whose main thread is stuck (here: sleeping) still has its last record published."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-pub")
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    dog = reliability.Watchdog(reader, 0, 1, timeout_s=60, publish_every_s=1.0)
+    assert dog.publish_every_s == 1.0
+    key = dog._key(0)
+    assert reader.get(key) == b"0|0|start"             # written at construction, before any collective
+    t0 = time.perf_counter()
+    for step in range(1000):
+        dog.check_in(step, "training step")
+    assert time.perf_counter() - t0 < 1.0              # 1,000 check-ins within one interval ...
+    assert reader.get(key) == b"0|0|start"             # ... and none of them reached the store yet
+    time.sleep(2.0)                                    # the main thread is "stuck"; the thread publishes
+    assert reader.get(key) == b"1000|999|training step"
+    assert reliability.Watchdog(None, 0, 4096, timeout_s=600).publish_every_s == pytest.approx(4.096)
+    assert reliability.Watchdog(None, 0, 2, timeout_s=2).publish_every_s == 0.5   # a quarter of the timeout
+    dog.close()
     del server
 
 
