@@ -13,7 +13,10 @@ from largebatch.dist import DistInfo
 TINY = ["--set", "model.name=resnet18", "--set", "model.stem=small", "--set", "model.width=4",
         "--set", "train.channels_last=off", "--set", "train.eval_flip=false",
         "--set", "train.precision=fp32", "--set", "train.log_every=1",
-        "--set", "train.plots=false", "--quiet"]
+        "--set", "train.plots=false", "--quiet",
+        # the lr these tolerances were set at; the recipe's own (0.5 per 256) amplifies the ~1e-7
+        # summation-order differences between DDP and accumulation past atol within 3 steps
+        "--set", "optim.lr=0.1"]
 
 
 def final_params(run_dir):
