@@ -218,18 +218,14 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
     from largebatch import dist as dist_mod
 
-    trainer = None
     try:
         trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
         summary = trainer.fit()
     except BaseException:
         # Destroy the process group while the interpreter is alive (no barrier: peers may be gone);
         # left to interpreter exit, gloo's threads can abort the process instead of exiting with 2.
-        if trainer is not None:
-            trainer.watchdog.close()
         dist_mod.shutdown()
         raise
-    trainer.watchdog.close()
     dist_mod.shutdown(barrier=True)
     if not under_torchrun and not summary.get("stopped"):
         _announce(trainer.run_dir)

@@ -359,6 +359,13 @@ class Trainer:
         return loss_sum
 
     def fit(self) -> dict:
+        """Train to the end (or to an agreed stop); the summary. Stops the watchdog's publisher after."""
+        try:
+            return self._fit()
+        finally:
+            self.watchdog.close()
+
+    def _fit(self) -> dict:
         self._t_start = time.perf_counter()
         self._install_signal_handlers()
         t = self.cfg.train

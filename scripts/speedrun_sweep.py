@@ -2,7 +2,8 @@
 hyperparameter change can be judged in one 2-4 minute run (docs/benchmarks.md, "Speed run, third session").
 
 The loop is the speed-run recipe's: Fashion-MNIST resident as uint8, a random flip per image (and with
---crop P a random +-P px translation), normalisation in the model, channels_last, Nesterov SGD with weight
+--crop P a random +-P px translation; both `largebatch.data.memory.MemorySource.crop_flip`, the
+trainer's), normalisation in the model, channels_last, Nesterov SGD with weight
 decay on conv/linear weights only, linear warm-up from 0 then cosine (or linear) decay per step, label
 smoothing. It reports test top-1 with flip TTA (--tta), plus without TTA and with flip + two 1-px shifts.
 Differences from `largebatch train`: one process (no DDP, so BN sees the whole batch), warm-up from 0
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from largebatch.data.idx import read_idx
+from largebatch.data.memory import MemorySource
 from largebatch.models import Normalize
 from largebatch.models.speedrun import SpeedrunNet
 
@@ -39,7 +41,7 @@ p.add_argument("--scale", type=float, default=0.25)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--decay", default="cosine")
-p.add_argument("--act", default="gelu")
+p.add_argument("--act", default="gelu", choices=["gelu", "relu"])
 p.add_argument("--evals", type=int, default=0)
 a = p.parse_args()
 torch.manual_seed(a.seed)
@@ -52,14 +54,8 @@ yte = read_idx(D + "t10k-labels-idx1-ubyte.gz").long()
 
 
 def build(width: int, act: str, scale: float) -> nn.Module:
-    """Normalize + the package's SpeedrunNet, its GELUs swapped for `act`."""
-    net = SpeedrunNet(10, 1, width=width, scale=scale)
-    new = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}[act]
-    for mod in net.modules():
-        for name, child in list(mod.named_children()):
-            if isinstance(child, nn.GELU):
-                setattr(mod, name, new())
-    return nn.Sequential(Normalize([0.2860], [0.3530]), net)
+    """Normalize + the package's SpeedrunNet."""
+    return nn.Sequential(Normalize([0.2860], [0.3530]), SpeedrunNet(10, 1, width=width, scale=scale, act=act))
 
 
 model = build(a.width, a.act, a.scale).to(memory_format=torch.channels_last)
@@ -74,8 +70,7 @@ N = xtr.shape[0]
 steps_per_epoch = N // a.batch
 total = int(a.epochs * steps_per_epoch)
 warm = int(a.warmup * steps_per_epoch)
-pad = a.crop
-xpad = F.pad(xtr, (pad, pad, pad, pad)) if pad else xtr
+train_data = MemorySource(xtr, ytr, seed=a.seed, augment=True, padding=a.crop)   # the trainer's crop + flip
 
 
 def lr_at(s):
@@ -113,16 +108,7 @@ while step < total:
     for b in range(steps_per_epoch):
         if step >= total: break
         idx = perm[b * a.batch:(b + 1) * a.batch]
-        if pad:
-            x = xpad[idx]
-            offs = torch.randint(0, 2 * pad + 1, (len(idx), 2), generator=g)
-            ar = torch.arange(28)
-            ys = (offs[:, 0:1] + ar)[:, :, None]; xs = (offs[:, 1:2] + ar)[:, None, :]
-            x = x[torch.arange(len(idx))[:, None, None], 0, ys, xs][:, None]
-        else:
-            x = xtr[idx]
-        flip = torch.rand(len(idx), generator=g) < 0.5
-        x = torch.where(flip[:, None, None, None], x.flip(3), x).contiguous(memory_format=torch.channels_last)
+        x = train_data.crop_flip(idx, ep).contiguous(memory_format=torch.channels_last)
         y = ytr[idx]
         for gr in opt.param_groups: gr["lr"] = lr_at(step)
         loss = F.cross_entropy(model(x), y, label_smoothing=a.ls)

@@ -29,6 +29,13 @@ def test_speedrun_net_shapes_cost_and_zero_init():
     assert count_macs(net, (1, 1, 28, 28)) == expect + 8 * w * 10
     no_zero = build_model("speedrun", 10, in_channels=1, width=8, zero_init_residual=False)
     assert all(torch.all(s.last_bn.weight == 1) for s in no_zero.stages)
+    # the activation switch: ReLU everywhere GELU was, same parameters; an unknown name is refused
+    relu = SpeedrunNet(10, 1, width=8, act="relu")
+    kinds = {type(m) for m in relu.modules()}
+    assert torch.nn.ReLU in kinds and torch.nn.GELU not in kinds
+    assert [p.shape for p in relu.parameters()] == [p.shape for p in net.parameters()]
+    with pytest.raises(ValueError, match="act must be one of"):
+        SpeedrunNet(10, 1, width=8, act="tanh")
 
 
 def test_speedrun_recipe_resolves(cli):

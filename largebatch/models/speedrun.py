@@ -20,6 +20,9 @@ mathematically equal runs (DDP on 2 workers vs 2 accumulated micro-batches) drif
 3 steps instead of 1e-6 (breaking exact ties with fixed offsets only brought it to 5e-5). Exact-equivalence
 tests of the trainer must use a model without max-pools (e.g. resnet18).
 
+`act` picks the activation: GELU (airbench's, the default) or ReLU (about 5% faster per step on this
+CPU, `scripts/profile_step.py --variants cl,relu`; at 5 epochs it trained no better, docs/benchmarks.md).
+
 Initialisation: convs and the linear layer use torch's default (Kaiming uniform, a = sqrt(5)); BN gamma 1,
 beta 0. With `zero_init_residual` the last BN gamma of each stage starts at 0, so each stage starts as
 conv -> pool -> BN -> GELU (the same switch as the ResNets').
@@ -32,19 +35,20 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 STEMS = ("imagenet", "small")
+ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}
 
 
 class ConvStage(nn.Module):
     """Step 2: conv -> pool -> BN -> GELU -> conv -> BN -> GELU, plus the pooled branch as shortcut."""
 
-    def __init__(self, in_ch: int, out_ch: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, act: type[nn.Module] = nn.GELU) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, 1, 1, bias=False)
         self.pool = nn.MaxPool2d(2)
         self.bn1 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
-        self.act = nn.GELU()
+        self.act = act()
 
     @property
     def last_bn(self) -> nn.BatchNorm2d:
@@ -60,17 +64,21 @@ class SpeedrunNet(nn.Module):
     values build the same full-resolution stem (this net is for small images only)."""
 
     def __init__(self, num_classes: int, in_channels: int = 1, stem: str = "small",
-                 zero_init_residual: bool = True, width: int = 16, scale: float = 0.25) -> None:
+                 zero_init_residual: bool = True, width: int = 16, scale: float = 0.25,
+                 act: str = "gelu") -> None:
         super().__init__()
+        if act not in ACTS:
+            raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
         if stem not in STEMS:
             raise ValueError(f"stem must be one of {STEMS}, got {stem!r}")
         if width < 1 or num_classes < 1 or in_channels < 1:
             raise ValueError(f"width, num_classes and in_channels must be positive, got {width}, {num_classes}, {in_channels}")
         # 1. Stem.
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.GELU())
+        a = ACTS[act]
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), a())
         # 2. Three stages, each halving the resolution.
-        self.stages = nn.Sequential(ConvStage(width, 2 * width), ConvStage(2 * width, 4 * width),
-                                    ConvStage(4 * width, 8 * width))
+        self.stages = nn.Sequential(ConvStage(width, 2 * width, a), ConvStage(2 * width, 4 * width, a),
+                                    ConvStage(4 * width, 8 * width, a))
         # 3. Max pool and a scaled linear classifier.
         self.pool = nn.AdaptiveMaxPool2d(1)
         self.fc = nn.Linear(8 * width, num_classes, bias=False)
