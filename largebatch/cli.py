@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from largebatch.errors import UserError, report
+from largebatch.errors import UserError, describe_os_error, report
 
 # command -> (module, one-line description). Two-word commands ("bench train") are
 # looked up first.
@@ -60,14 +60,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largebatch: error: unknown command {' '.join(argv[:2])!r}; "
               f"choose one of: {', '.join(groups)} (see 'largebatch --help').", file=sys.stderr)
         return 2
+    code = _run(module_name, rest)
+    dist = sys.modules.get("largebatch.dist")
+    if dist is not None:   # a thread of ours that could not be joined: exit without finalization
+        dist.exit_now_if_threads_stuck(code)
+    return code
+
+
+def _run(module_name: str, rest: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
         return int(module.main(rest) or 0)
     except UserError as err:
         return report(err)
+    except OSError as err:   # a path the user gave: unreadable, read-only, full disk, a file for a directory
+        return report(UserError(describe_os_error(err)))
     except KeyboardInterrupt:
         print("largebatch: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        # A failed collective, already explained (region, step, the ranks that did not arrive): one line.
+        if type(err).__name__ != "CollectiveTimeout":
+            raise
+        print(f"largebatch: error: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -8,10 +8,12 @@ their own section (``build_optimizer(cfg.optim, model)``), never the whole confi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,8 +214,13 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
+        if isinstance(value, str):   # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it is
+            with contextlib.suppress(ValueError):
+                value = float(value.strip())
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise UserError(f"{where} is {value}; give a finite number.")
     elif tp is str:
         if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices", ())):
             value = "on" if value else "off"   # YAML 1.1 reads a bare on/off as a boolean
@@ -278,17 +285,23 @@ def resolve_recipe(recipe: str) -> Path:
     return path
 
 
-def load_yaml(path: Path) -> dict:
+def load_yaml(path: Path, what: str = "recipe") -> dict:
+    """A YAML mapping from `path`; every way it can be unreadable is one sentence naming the file."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not a UTF-8 text file; give a YAML file.") from None
     except OSError as err:
-        raise UserError(f"cannot read recipe {path}: {err.strerror}; check the path and its permissions.") from None
+        raise UserError(f"cannot read {what} {path}: {err.strerror}; check the path and its permissions.") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"recipe {path} is not valid YAML{where}; fix the syntax there.") from None
+        raise UserError(f"{what} {path} is not valid YAML{where}; fix the syntax there.") from None
+    if data is not None and not isinstance(data, dict):
+        raise UserError(f"{what} {path} must be a YAML mapping of sections ({', '.join(SECTIONS)}), "
+                        f"not a {type(data).__name__}.")
     return data or {}
 
 
@@ -350,6 +363,32 @@ def validate(cfg: Config) -> None:
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
     positive("comm.bucket_mb", cfg.comm.bucket_mb)
     positive("comm.timeout_s", cfg.comm.timeout_s)
+    positive("model.width", cfg.model.width)
+    positive("data.crop_padding", cfg.data.crop_padding, allow_zero=True)
+    positive("data.loader_workers", cfg.data.loader_workers, allow_zero=True)
+    positive("data.synthetic_size", cfg.data.synthetic_size)
+    positive("data.train_size", cfg.data.train_size)
+    positive("data.subset", cfg.data.subset)
+    if not 0 < cfg.data.min_scale <= 1:
+        raise UserError(f"data.min_scale is {cfg.data.min_scale}; it must be in (0, 1].")
+    if cfg.data.num_classes < 2:
+        raise UserError(f"data.num_classes is {cfg.data.num_classes}; a classifier needs 2 or more classes.")
+    positive("train.seed", cfg.train.seed, allow_zero=True)
+    positive("train.threads", cfg.train.threads)
+    positive("train.max_steps", cfg.train.max_steps)
+    positive("train.eval_every", cfg.train.eval_every, allow_zero=True)
+    positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
+    positive("train.max_nonfinite", cfg.train.max_nonfinite, allow_zero=True)
+    positive("optim.eps", cfg.optim.eps, allow_zero=True)
+    positive("schedule.gamma", cfg.schedule.gamma)
+    positive("schedule.power", cfg.schedule.power)
+    positive("schedule.end_lr", cfg.schedule.end_lr, allow_zero=True)
+    positive("comm.pipeline", cfg.comm.pipeline)
+    positive("ensemble.cycles", cfg.ensemble.cycles, allow_zero=True)
+    for key in ("cycle_epochs", "cycle_lr_factor", "collapse_wd_factor"):
+        positive(f"ensemble.{key}", getattr(cfg.ensemble, key))
+    for key in ("rewarm_epochs", "collapse_epochs"):
+        positive(f"ensemble.{key}", getattr(cfg.ensemble, key), allow_zero=True)
     if not 0 <= cfg.train.label_smoothing < 1:
         raise UserError(f"train.label_smoothing is {cfg.train.label_smoothing}; it must be in [0, 1).")
     if cfg.train.ema is not None and not 0 < cfg.train.ema < 1:

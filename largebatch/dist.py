@@ -6,8 +6,10 @@ same code runs. gloo on CPU, NCCL on CUDA.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,20 +67,46 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     return info
 
 
-def shutdown(barrier: bool = False) -> None:
-    """Tear the process group down; with `barrier` (after a successful run) on every rank together.
+def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
+    """Steps 2 and 3 of the ordered teardown (step 1, stopping and joining every thread of ours that
+    touches the store or a group, is `Trainer.close`): after a successful run a barrier with a timeout on
+    every rank together, then destroy the process groups, on every exit path.
 
     Without the barrier a rank that finished first closes its connections while rank 0 is still
-    writing the summary and plots, and gloo's I/O threads on the other side can abort the process
-    ("terminate called without an active exception") after a successful run. On an error path no
-    barrier: the other ranks may be gone.
+    writing the summary and plots. On an error path no barrier: the other ranks may be gone.
+    The barrier is gloo's monitored barrier where it can be (it names the rank that did not arrive).
     """
-    if dist.is_initialized():
-        try:
-            if barrier:
+    if not dist.is_initialized():
+        return
+    try:
+        if barrier:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
                 dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    finally:
+        dist.destroy_process_group()
+
+
+_stuck_threads: list[str] = []
+
+
+def note_stuck_thread(name: str) -> None:
+    """Record a thread of ours that did not end when joined (e.g. inside a collective with a dead peer)."""
+    _stuck_threads.append(name)
+
+
+def exit_now_if_threads_stuck(code: int) -> None:
+    """The last step of the teardown: when a thread of ours could not be joined it may be inside native
+    code with the GIL released, and interpreter finalization would end it with pthread_exit, which aborts
+    the process (std::terminate, exit code -6) instead of exiting with `code`. Then exit without
+    finalization, after flushing what was printed; otherwise return and let Python exit normally."""
+    if not _stuck_threads:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def pick_device(choice: str) -> torch.device:

@@ -5,6 +5,7 @@ UserErrors: they keep their tracebacks.
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -16,7 +17,58 @@ class UserError(Exception):
 
 
 def report(err: UserError) -> int:
-    """Print the error once (rank 0 only under torchrun) and return exit code 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"largebatch: error: {err}", file=sys.stderr, flush=True)
+    """Print the error once and return exit code 2.
+
+    Under torchrun every rank that meets the error raises it, often the same sentence on every rank
+    (a bad config) and sometimes on one rank alone (its data, its node). The first rank to report a
+    given sentence prints it; the others stay quiet (`first_report`).
+    """
+    text = f"largebatch: error: {err}"
+    if first_report(text):
+        print(text, file=sys.stderr, flush=True)
     return EXIT_USER_ERROR
+
+
+def first_report(text: str) -> bool:
+    """Whether this process is the first of its run to report `text`: a counter per sentence in the
+    launcher's store (torchrun's MASTER_ADDR:MASTER_PORT). True outside torchrun or if the store is
+    unreachable (then every rank prints: better twice than never)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
+        return True
+    try:
+        import datetime
+        import hashlib
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+        key = (f"largebatch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported/"
+               f"{hashlib.sha256(text.encode()).hexdigest()[:16]}")
+        return store.add(key, 1) == 1
+    except Exception:   # noqa: BLE001 - no store: print
+        return True
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free space on that disk or write elsewhere",
+    errno.EDQUOT: "free space within your quota or write elsewhere",
+    errno.EACCES: "check its permissions or choose a path you can write to",
+    errno.EPERM: "check its permissions or choose a path you can write to",
+    errno.EROFS: "choose a path on a writable file system",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
+    errno.EISDIR: "it is a directory; give a file path",
+    errno.ENOENT: "check that the path exists",
+    errno.ENAMETOOLONG: "use a shorter path",
+}
+
+
+def describe_os_error(err: OSError) -> str:
+    """One sentence for an OSError on a path the user gave (the path, what failed, the fix)."""
+    where = f" {err.filename}" if err.filename else ""
+    if err.filename2:
+        where += f" -> {err.filename2}"
+    what = err.strerror or str(err)
+    fix = _OS_FIXES.get(err.errno, "check the path, its permissions and the free space")
+    return f"cannot use{where}: {what}; {fix}."

@@ -16,8 +16,6 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
@@ -34,8 +32,9 @@ def parser() -> ArgumentParser:
 
 
 def _launch(args, argv: list[str]) -> int:
-    from largebatch.train_cli import _free_port
     from torch.distributed.run import main as torchrun_main
+
+    from largebatch.train_cli import _free_port, failed_exit_code, quiet_launcher_logs
 
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
@@ -51,13 +50,14 @@ def _launch(args, argv: list[str]) -> int:
                 "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--local-addr", "127.0.0.1",
                 "-m", "largebatch", "evaluate", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    quiet_launcher_logs()
     try:
         torchrun_main(launcher)
     except SystemExit as exc:
         return int(exc.code or 0)
     except Exception as exc:   # ChildFailedError: the workers' messages are already printed
         if type(exc).__name__ == "ChildFailedError":
-            return 1
+            return failed_exit_code(exc)
         raise
     return 0
 
@@ -69,7 +69,7 @@ def load_run_config(run_dir: Path):
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{path} does not exist; give the run directory of a largebatch train run.")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = config_mod.load_yaml(path, what="run config")
     return config_mod.from_dict(data, recipe=str(data.get("recipe", "custom")))
 
 

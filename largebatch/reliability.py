@@ -30,7 +30,8 @@ The pieces and the order in which the trainer uses them:
 6. Fault injection (a documented debugging knob, not a mock): the environment variable
    LARGEBATCH_FAULTS, e.g. ``nan@1:3,hang@1:5,kill@0:7``, makes rank R at step S poison its
    loss with NaN (``nan``), sleep ``hang_s`` seconds before checking in (``hang``), SIGKILL
-   itself (``kill``) or send itself SIGTERM (``term``). Steps may be ranges ``3-5``. A fault
+   itself (``kill``), send itself SIGTERM (``term``) or raise a user error on that rank alone (``error``,
+   exit code 2). Steps may be ranges ``3-5``. A fault
    fires only in restart attempt 0 unless suffixed ``/A`` (attempt A) or ``/*`` (every attempt).
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ from largebatch.errors import UserError
 
 FAULTS_ENV = "LARGEBATCH_FAULTS"
 HANG_S_ENV = "LARGEBATCH_FAULT_HANG_S"
-KINDS = ("nan", "hang", "kill", "term")
+KINDS = ("nan", "hang", "kill", "term", "error")
 
 
 # ---------------------------------------------------------------------------------- 1. control store
@@ -185,9 +186,12 @@ class Watchdog:
         self._sent: str | None = None
         self._lock = threading.Lock()      # one send at a time, and never an older record after a newer one
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if store is not None:
             self.flush()                   # every rank's key exists before the first collective
-            threading.Thread(target=self._publish, name="largebatch-watchdog", daemon=True).start()
+            # daemon only so that a hung store cannot keep a crashed process alive; `close` joins it
+            self._thread = threading.Thread(target=self._publish, name="largebatch-watchdog", daemon=True)
+            self._thread.start()
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
@@ -211,8 +215,21 @@ class Watchdog:
             except Exception:   # the store is gone (its host died); explain() reports that
                 return
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the publisher and join it; True when it has ended.
+
+        It must not outlive this call: a thread that is inside a store call (GIL released) when the
+        interpreter finalizes is ended by CPython with pthread_exit, whose unwinding through pybind11's
+        noexcept GIL guard calls std::terminate ("terminate called without an active exception", exit
+        code -6) after a run that succeeded. docs/reliability.md, "Teardown", has the evidence.
+        """
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
 
     def missing(self) -> list[tuple[int, int, str]]:
         """(rank, last step, last region) of every rank whose last check-in is behind this rank's."""
@@ -319,6 +336,7 @@ class FaultInjector:
 
     def __init__(self, rank: int) -> None:
         attempt = restart_count()
+        self.rank = rank
         self.faults = [f for f in parse_faults(os.environ.get(FAULTS_ENV, ""))
                        if f.rank == rank and f.attempt in (None, attempt)]
         self.hang_s = float(os.environ.get(HANG_S_ENV, "3600"))
@@ -335,6 +353,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
         if self._hit("hang", step):
             time.sleep(self.hang_s)
+        if self._hit("error", step):
+            raise UserError(f"injected error at step {step} on rank {self.rank} ({FAULTS_ENV}); unset {FAULTS_ENV}.")
 
     def poison(self, step: int) -> bool:
         return bool(self.faults) and self._hit("nan", step)

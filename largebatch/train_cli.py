@@ -132,6 +132,9 @@ def launch(args, argv: list[str]) -> int:
                 raise UserError(f"--resume found no run of {args.recipe!r} under runs/; give --run-dir.")
         else:
             run_dir = Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from largebatch import rundir
+
+    rundir.check(run_dir, args.resume)   # refuse before starting workers (rank 0 checks again under the lock)
     worker_argv = []
     skip = False
     for i, a in enumerate(argv):   # the same arguments minus the launcher's own
@@ -150,6 +153,7 @@ def launch(args, argv: list[str]) -> int:
     launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
                 "--max-restarts", str(args.max_restarts), "-m", "largebatch", "train", *worker_argv]
+    quiet_launcher_logs()
     print(f"largebatch: starting {args.nproc_per_node} workers (torchrun {' '.join(launcher[:12])} ...)",
           file=sys.stderr, flush=True)
     try:
@@ -164,9 +168,7 @@ def launch(args, argv: list[str]) -> int:
                   "options)", file=sys.stderr, flush=True)
             return 128 + signum
         if type(exc).__name__ == "ChildFailedError":
-            failures = getattr(exc, "failures", {})
-            codes = [f.exitcode for f in failures.values()] if failures else [1]
-            return 2 if all(c == 2 for c in codes) else 1
+            return failed_exit_code(exc)
         raise
     else:
         code = 0
@@ -181,6 +183,30 @@ def launch(args, argv: list[str]) -> int:
     return int(code)
 
 
+def quiet_launcher_logs() -> None:
+    """torch's elastic agent logs a warning per worker it stops and an error per failure; after a worker's
+    own one-sentence error they bury it, so the launcher reports failures itself (`failed_exit_code`)."""
+    import logging
+
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failed_exit_code(exc) -> int:
+    """The launcher's exit code after torchrun's ChildFailedError: 2 when a worker exited 2 (it printed the
+    user's error; the peers the agent stopped after it exit otherwise), else 1 with one line per failure."""
+    failures = getattr(exc, "failures", {}) or {}
+    codes = [f.exitcode for f in failures.values()]
+    if 2 in codes:
+        return 2
+    for rank, f in sorted(failures.items()):
+        how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 and -f.exitcode in \
+            signal.valid_signals() else f"exit code {f.exitcode}"
+        print(f"largebatch: worker rank {rank} (pid {f.pid}) failed with {how}; its output is above.",
+              file=sys.stderr, flush=True)
+    return 1
+
+
 def _announce(run_dir: Path) -> None:
     summary = run_dir / "summary.json"
     if summary.exists():
@@ -189,7 +215,8 @@ def _announce(run_dir: Path) -> None:
         from largebatch.metrics import summary_table
 
         Console(stderr=True).print(summary_table(json.loads(summary.read_text())))
-        print(f"largebatch: run directory {run_dir} (plots in {run_dir / 'plots'})", file=sys.stderr)
+        plots = f" (plots in {run_dir / 'plots'})" if (run_dir / "plots").is_dir() else ""
+        print(f"largebatch: run directory {run_dir}{plots}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -210,6 +237,10 @@ def main(argv: list[str]) -> int:
 
     from largebatch.trainer import Trainer
 
+    if under_torchrun:
+        from largebatch.rundir import watch_parent
+
+        watch_parent()   # a SIGKILLed launcher stops its workers (SIGTERM: a checkpoint at the next step)
     resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     run_dir = args.run_dir
     if args.resume and run_dir is None:   # an elastic restart finds its run dir in the store (reliability.py)
@@ -218,15 +249,16 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
     from largebatch import dist as dist_mod
 
+    # The ordered teardown, on every exit path: the Trainer stops and joins its threads (when building
+    # fails part-way too, and at the end of fit), then barrier (success only: on an error the peers may
+    # be gone) and destroy the groups while the interpreter is alive; cli.main ends the process.
     try:
         trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
         summary = trainer.fit()
     except BaseException:
-        # Destroy the process group while the interpreter is alive (no barrier: peers may be gone);
-        # left to interpreter exit, gloo's threads can abort the process instead of exiting with 2.
         dist_mod.shutdown()
         raise
-    dist_mod.shutdown(barrier=True)
+    dist_mod.shutdown(barrier=True, timeout_s=min(cfg.comm.timeout_s, 300.0))
     if not under_torchrun and not summary.get("stopped"):
         _announce(trainer.run_dir)
     if summary.get("stopped") and not under_torchrun:

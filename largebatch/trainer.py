@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability
+from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability, rundir
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
@@ -102,6 +102,18 @@ def use_channels_last(choice: str, device: torch.device, precision: str) -> bool
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False):
+        # what `close` stops, present even when building fails part-way
+        self.watchdog: reliability.Watchdog | None = None
+        self.comm_state = None
+        self.claim: rundir.Claim | None = None
+        self.train_data = self.test_data = None
+        try:
+            self._build(cfg, run_dir, resume, quiet)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: Config, run_dir: Path | None, resume: bool, quiet: bool) -> None:
         from largebatch.data import build_data
         from largebatch.optim import build_optimizer
 
@@ -124,8 +136,8 @@ class Trainer:
         self.stop = reliability.StopAgreement(self.info.distributed, self.device)
         self.faults = reliability.FaultInjector(self.info.rank)
 
-        # 2. run directory (rank 0 decides, everyone agrees)
-        self.run_dir = self._agree_run_dir(run_dir)
+        # 2. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
+        self.run_dir = self._agree_run_dir(run_dir, resume)
         self.ckpt_dir = self.run_dir / "checkpoints"
 
         # 3. data
@@ -152,7 +164,6 @@ class Trainer:
 
         # 6. data parallelism and the communication hook
         self.ddp = model
-        self.comm_state = None
         if self.info.distributed:
             self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None,
@@ -194,26 +205,33 @@ class Trainer:
         self.metrics = metrics_mod.MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
         self.display = metrics_mod.ProgressDisplay(self.total_steps, self.step, enabled=self.main and not quiet)
         self.quiet = quiet
-        if self.main and not resume:
+        if self.main and not (self.run_dir / "config.yaml").exists():   # also a --resume that found nothing
             save_config(cfg, self.run_dir / "config.yaml")
 
     # ------------------------------------------------------------------ run directory
-    def _agree_run_dir(self, run_dir: Path | None) -> Path:
-        path = [str(run_dir) if run_dir else ""]
+    def _agree_run_dir(self, run_dir: Path | None, resume: bool) -> Path:
+        """Rank 0 picks the directory and claims it (refused if it holds a run and this is no resume, or if
+        another process writes it); the path, or rank 0's refusal, is broadcast so every rank raises the
+        same UserError (exit code 2 on every rank)."""
+        path = [str(run_dir) if run_dir else "", ""]   # path, rank 0's error
         if self.main:
-            if not run_dir:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                name = Path(self.cfg.recipe).stem
-                # an elastic restart under plain torchrun finds the directory its first attempt chose
-                remembered = reliability.remembered_run_dir(self.store)
-                path = [str(remembered or Path("runs") / f"{name}-{stamp}")]
-            reliability.remember_run_dir(self.store, Path(path[0]))
-            p = Path(path[0])
-            p.mkdir(parents=True, exist_ok=True)
-            os.chmod(p, 0o755)   # never world-writable
-            (p / "checkpoints").mkdir(exist_ok=True)
+            try:
+                if not run_dir:
+                    stamp = time.strftime("%Y%m%d-%H%M%S")
+                    name = Path(self.cfg.recipe).stem
+                    # an elastic restart under plain torchrun finds the directory its first attempt chose
+                    remembered = reliability.remembered_run_dir(self.store)
+                    path[0] = str(remembered or Path("runs") / f"{name}-{stamp}")
+                p = Path(path[0])
+                self.claim = rundir.claim(p, resume)
+                reliability.remember_run_dir(self.store, p)
+                (p / "checkpoints").mkdir(exist_ok=True)
+            except UserError as err:
+                path[1] = str(err)
         if self.info.distributed:
             dist.broadcast_object_list(path, src=0)
+        if path[1]:
+            raise UserError(path[1])
         return Path(path[0])
 
     # ------------------------------------------------------------------ checkpoints
@@ -363,7 +381,32 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            self.watchdog.close()
+            self.close()
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Step 1 of the ordered teardown (then `dist.shutdown`: barrier, destroy the groups): stop and join
+        every thread of ours that touches the control store or a process group (the watchdog's publisher,
+        the comm hook's thread, the pipeline's cross-level worker), stop the data loaders, release the run
+        directory. Idempotent. True when every thread ended; a thread that did not is recorded so the
+        process exits without interpreter finalization (`dist.exit_now_if_threads_stuck`)."""
+        joined = True
+        if self.watchdog is not None and not self.watchdog.close(timeout_s):
+            joined = False
+            dist_mod.note_stuck_thread("largebatch-watchdog")
+        if self.comm_state is not None and not self.comm_state.close(timeout_s):
+            joined = False
+            dist_mod.note_stuck_thread("largebatch-comm")
+        pipeline = sys.modules.get("largebatch.comm.pipeline")
+        if pipeline is not None and not pipeline.shutdown(timeout_s):
+            joined = False
+            dist_mod.note_stuck_thread("largebatch-cross")
+        for source in (self.train_data, self.test_data):
+            if hasattr(source, "close"):
+                source.close()
+        if self.claim is not None:   # the run directory is free for the next writer (e.g. --resume)
+            self.claim.release()
+            self.claim = None
+        return joined
 
     def _fit(self) -> dict:
         self._t_start = time.perf_counter()

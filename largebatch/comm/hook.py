@@ -98,12 +98,16 @@ class CommHookState:
         self._thread = threading.Thread(target=self._loop, name="largebatch-comm", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the communication thread (after the queued buckets are done)."""
+    def close(self, timeout_s: Optional[float] = None) -> bool:
+        """Stop the communication thread (after the queued buckets are done) and join it; True when it
+        has ended (False: still inside a collective after ``timeout_s``, e.g. with a dead peer)."""
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
             self._queue, self._thread = None, None
+        return True
 
     def submit(self, buffer: torch.Tensor) -> torch.futures.Future:
         """Queue an in-place average of ``buffer``; the future completes with ``buffer``."""

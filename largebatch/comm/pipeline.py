@@ -31,6 +31,7 @@ and hierarchical 3-24% slower than ``pipeline=1`` (docs/communication.md).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -72,6 +73,21 @@ def _cross_worker() -> ThreadPoolExecutor:
         if _worker is None:
             _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="largebatch-cross")
         return _worker
+
+
+def shutdown(timeout_s: float = 30.0) -> bool:
+    """Stop the cross-level worker thread, if one was started; True when it has ended."""
+    global _worker
+    with _lock:
+        worker, _worker = _worker, None
+    if worker is None:
+        return True
+    worker.shutdown(wait=False, cancel_futures=True)
+    threads = list(getattr(worker, "_threads", ()))
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def two_level(flat: torch.Tensor, local: Group, cross: Group, cross_allreduce: Cross, codec: Codec,

@@ -55,8 +55,14 @@ def scan(root: Path, split: str, classes: list[str] | None = None) -> tuple[list
             continue
         files = sorted(e.path for e in os.scandir(folder)
                        if e.is_file() and e.name.lower().endswith(EXTENSIONS))
+        if not files and split == "train":
+            raise UserError(f"ImageFolder class folder {folder} has no JPEG files (*.jpg, *.jpeg); put the class's "
+                            "training images there or remove the folder.")
         paths += files
         labels += [label] * len(files)
+    if split == "train" and len(classes) < 2:
+        raise UserError(f"ImageFolder split {base} has {len(classes)} class folder(s); a classifier needs 2 or more, "
+                        f"one sub-directory of JPEGs per class.")
     if not paths:
         raise UserError(f"ImageFolder split {base} has no JPEG files (*.jpg, *.jpeg) in its class folders; "
                         f"put images in {base}/<class>/.")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import tarfile
 from pathlib import Path
@@ -68,14 +69,43 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
-    """Write the shards and index.json; returns the index."""
+    """Write the shards and index.json into `dst`, which must not exist or be empty; returns the index.
+
+    Everything is written into a temporary sibling directory first and renamed into place at the end, so
+    an existing shard set is never touched and a failure (a full disk, Ctrl-C) leaves no half-written set
+    where training would read it.
+    """
+    import shutil
+
     from largebatch.data.imagefolder import scan
 
+    if dst.exists() and not dst.is_dir():
+        raise UserError(f"data pack destination {dst} is a file; give a new or empty directory.")
+    if dst.is_dir() and any(dst.iterdir()):
+        raise UserError(f"data pack destination {dst} is not empty; give a new or empty directory (an existing "
+                        "shard set is never overwritten: move it away first).")
     classes, train_paths, train_labels = scan(src, "train")
     _, val_paths, val_labels = scan(src, "val", classes)
-    dst.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        index = _write_shards(tmp, classes, (("train", train_paths, train_labels), ("val", val_paths, val_labels)),
+                              shard_bytes, seed)
+        if dst.is_dir():
+            dst.rmdir()   # empty (checked above)
+        os.rename(tmp, dst)
+    except OSError as exc:
+        raise UserError(f"data pack could not write {dst}: {exc.strerror or exc}; free space or give another "
+                        "destination (nothing was written there).") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return index
+
+
+def _write_shards(out: Path, classes: list[str], splits, shard_bytes: int, seed: int) -> dict:
     index: dict = {"format": "largebatch-shards-1", "classes": classes, "splits": {}}
-    for split, paths, labels in (("train", train_paths, train_labels), ("val", val_paths, val_labels)):
+    for split, paths, labels in splits:
         order = torch.randperm(len(paths), generator=torch.Generator().manual_seed(seed)).tolist()
         shards: list[dict] = []
         tar, size = None, 0
@@ -85,7 +115,7 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
                 if tar is not None:
                     tar.close()
                 name = f"{split}-{len(shards):06d}.tar"
-                tar, size = tarfile.open(dst / name, "w", format=tarfile.USTAR_FORMAT), 0
+                tar, size = tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT), 0
                 shards.append({"name": name, "count": 0})
             _add(tar, f"{key:09d}.jpg", data)
             _add(tar, f"{key:09d}.cls", str(int(labels[i])).encode())
@@ -94,7 +124,10 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
         if tar is not None:
             tar.close()
         index["splits"][split] = {"total": len(order), "shards": shards}
-    (dst / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    with open(out / INDEX, "w") as f:
+        f.write(json.dumps(index, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     return index
 
 

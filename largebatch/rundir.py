@@ -1,0 +1,141 @@
+"""A run directory belongs to its run.
+
+1. A directory *holds a run* when any file a run writes is there: config.yaml, metrics.jsonl,
+   summary.json, a checkpoint's metadata or a snapshot. Other files (a log the caller keeps
+   there, for instance) do not make it a run.
+2. `check(path, resume)` refuses, with one sentence naming the fix: a path that is not a
+   directory, a directory that holds a run when `--resume` was not given, and a directory
+   another process is writing (its lock is held).
+3. `claim(path, resume)` does the same under the lock and keeps it: `fcntl.flock` on
+   ``path/.largebatch.lock`` (pid and host written inside, for the message), held by the one
+   process that writes (rank 0) until it exits. The kernel drops the lock when that process dies,
+   however it dies, so a killed run never leaves a stale lock behind, and an elastic restart's new
+   rank 0 takes it over.
+4. A directory that `claim` creates is made 0755; an existing one keeps its mode (a shared 1777
+   directory keeps its sticky bit).
+5. `watch_parent()`: workers ask the kernel for SIGTERM when their launcher dies (Linux
+   PR_SET_PDEATHSIG), so a SIGKILLed launcher never leaves workers writing behind a new run's back:
+   they stop at the next step with a checkpoint, as after any SIGTERM.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import socket
+from pathlib import Path
+
+from largebatch.errors import UserError
+
+LOCK = ".largebatch.lock"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+
+
+def holds_run(path: Path) -> bool:
+    """Step 1: whether `path` holds (the start of) a largebatch run."""
+    if not path.is_dir():
+        return False
+    if any((path / name).exists() for name in RUN_FILES):
+        return True
+    return any((path / "checkpoints").glob("step-*.json")) or any((path / "snapshots").glob("*"))
+
+
+def _refuse_reasons(path: Path, resume: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--run-dir {path} is a file, not a directory; give a directory path for the run.")
+    if not resume and holds_run(path):
+        raise UserError(f"run directory {path} already holds a run; continue it with --resume, or give a fresh "
+                        "--run-dir to start a new one.")
+
+
+def _holder(lock_path: Path) -> str:
+    with contextlib.suppress(OSError):
+        text = lock_path.read_text().strip()
+        if text:
+            return f" ({text})"
+    return ""
+
+
+def _in_use(path: Path) -> UserError:
+    return UserError(f"run directory {path} is in use by another largebatch process{_holder(path / LOCK)}; wait "
+                     "for it to finish or stop it, or give another --run-dir.")
+
+
+def check(path: Path, resume: bool) -> None:
+    """Step 2, without creating anything (the launcher's early check, before any worker starts)."""
+    _refuse_reasons(path, resume)
+    lock_path = path / LOCK
+    if not lock_path.exists():
+        return
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise _in_use(path) from None
+        raise
+    finally:
+        os.close(fd)
+
+
+class Claim:
+    """Step 3: the exclusive lock on a run directory, held until `release()` or process exit."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)   # closing the descriptor drops the flock
+            self._fd = None
+
+
+def claim(path: Path, resume: bool) -> Claim:
+    """Steps 2-4: create the directory if needed (0755), lock it, then refuse what `check` refuses."""
+    _refuse_reasons(path, resume)
+    try:
+        path.mkdir(mode=0o755, parents=True)
+        os.chmod(path, 0o755)   # mkdir's mode is masked by the umask; a directory we create is never world-writable
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UserError(f"cannot create run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
+            from None
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot write in run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
+            from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise _in_use(path) from None
+        raise
+    try:
+        _refuse_reasons(path, resume)   # again under the lock: a run that finished a moment ago counts
+    except UserError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    return Claim(path, fd)
+
+
+def watch_parent() -> None:
+    """Step 5: SIGTERM this worker when its launcher (parent) dies; Linux only, a no-op elsewhere."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:   # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
