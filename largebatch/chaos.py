@@ -166,6 +166,19 @@ def main(argv: list[str]) -> int:
     if not cfg.train.checkpoint_every:
         print("largebatch chaos: train.checkpoint_every is 0; checkpoints only at epoch ends (add "
               "--set train.checkpoint_every=N to lose fewer steps per kill).", file=sys.stderr)
+    from largebatch import rundir
+
+    # Inputs are checked before any work: a missing baseline must not cost a whole chaos run first.
+    if args.baseline_dir is not None:
+        if not args.baseline_dir.is_dir():
+            raise UserError(f"--baseline-dir {args.baseline_dir} is not a directory; give the run directory of an "
+                            "uninterrupted run of the same recipe, or drop --baseline-dir to run one.")
+        if not (args.baseline_dir / "summary.json").exists() and not rundir.in_use(args.baseline_dir):
+            raise UserError(f"--baseline-dir {args.baseline_dir} has no summary.json and no run is writing it; "
+                            "finish it with largebatch train --resume, or drop --baseline-dir to run one.")
+    for sub in ("chaos", "baseline"):
+        if rundir.holds_run(args.out / sub) and not (sub == "baseline" and args.baseline_dir is not None):
+            raise UserError(f"--out {args.out} already holds a chaos run ({args.out / sub}); give a fresh --out.")
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -216,9 +229,8 @@ def main(argv: list[str]) -> int:
     wall = time.time() - t0
 
     # 4. checks
-    deadline = time.time() + 1800
-    while args.baseline_dir is not None and not (base_dir / "summary.json").exists() and time.time() < deadline:
-        time.sleep(5)   # a baseline started alongside this command may still be running
+    while args.baseline_dir is not None and not (base_dir / "summary.json").exists() and rundir.in_use(base_dir):
+        time.sleep(5)   # a baseline started alongside this command is still running (it holds its lock)
     if not (base_dir / "summary.json").exists():
         raise UserError(f"the baseline run {base_dir} has no summary.json; let it finish or drop --baseline-dir.")
     base = json.loads((base_dir / "summary.json").read_text())

@@ -35,11 +35,15 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:   # a full disk, or an interrupt: no half-written temporary file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -100,7 +104,7 @@ def latest(directory: Path, *, warn=None) -> tuple[Path, dict] | None:
         if meta is not None:
             return meta_path.with_suffix(".pt"), meta
         warn(f"largebatch: checkpoint {meta_path.with_suffix('.pt')} is corrupt or truncated "
-             f"(checksum mismatch); using the previous one.")
+             f"(checksum mismatch); skipping it for an older one.")
     return None
 
 
@@ -110,3 +114,17 @@ def all_intact(directory: Path) -> list[tuple[Path, dict]]:
 
 def load(path: Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def restore(module_or_optimizer, state: dict, what: str, path: Path, fix: str) -> None:
+    """`load_state_dict`, with a failure turned into one sentence naming what differs and the fix."""
+    from largebatch.errors import UserError
+
+    try:
+        result = module_or_optimizer.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as err:
+        detail = " ".join(str(err).split())
+        if len(detail) > 300:
+            detail = detail[:300] + "..."
+        raise UserError(f"checkpoint {path} does not fit this {what} ({detail}); {fix}") from None
+    return result

@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             rest = argv[words:]
             break
     else:
+        subs = [c for c in COMMANDS if c.split()[0] == argv[0] and " " in c]
+        if subs:   # a group word alone or with an unknown second word, e.g. `largebatch bench`
+            given = f" {argv[1]!r}" if len(argv) > 1 and not argv[1].startswith("-") else ""
+            print(f"largebatch: error: '{argv[0]}' needs a subcommand{' (not' + given + ')' if given else ''}; "
+                  f"choose one of: {', '.join(subs)}.", file=sys.stderr)
+            return 2
         groups = sorted({c.split()[0] for c in COMMANDS})
         print(f"largebatch: error: unknown command {' '.join(argv[:2])!r}; "
               f"choose one of: {', '.join(groups)} (see 'largebatch --help').", file=sys.stderr)

@@ -240,7 +240,7 @@ def build(cluster: Cluster, spec: ClusterSpec) -> None:
 
 def agent_command(cluster: Cluster, spec: ClusterSpec, node: int) -> list[str]:
     """The torchrun agent of one node, to be run inside its namespace."""
-    cmd = ["ip", "netns", "exec", cluster.hosts[node], sys.executable, "-m", "torch.distributed.run",
+    cmd = ["ip", "netns", "exec", cluster.hosts[node], sys.executable, "-m", "largebatch.launch",   # torchrun
            "--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.procs_per_node),
            "--node-rank", str(node), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"{cluster.address(0)}:{spec.port}", "--rdzv-id", cluster.run_id,

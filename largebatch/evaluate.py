@@ -32,9 +32,7 @@ def parser() -> ArgumentParser:
 
 
 def _launch(args, argv: list[str]) -> int:
-    from torch.distributed.run import main as torchrun_main
-
-    from largebatch.train_cli import _free_port, failed_exit_code, quiet_launcher_logs
+    from largebatch.launch import free_port, run_agent
 
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
@@ -47,19 +45,10 @@ def _launch(args, argv: list[str]) -> int:
         elif not a.startswith("--nproc-per-node="):
             rest.append(a)
     launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--local-addr", "127.0.0.1",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
                 "-m", "largebatch", "evaluate", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
-    quiet_launcher_logs()
-    try:
-        torchrun_main(launcher)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    except Exception as exc:   # ChildFailedError: the workers' messages are already printed
-        if type(exc).__name__ == "ChildFailedError":
-            return failed_exit_code(exc)
-        raise
-    return 0
+    return run_agent(launcher)[0]
 
 
 def load_run_config(run_dir: Path):
@@ -108,8 +97,15 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
                                 "or give --checkpoint.")
             checkpoint_path = found[0]
         elif not checkpoint_path.is_file():
-            raise UserError(f"--checkpoint {checkpoint_path} does not exist; give a step-*.pt file.")
-        model.load_state_dict(checkpoint.load(checkpoint_path)["model"])
+            what = "is a directory" if checkpoint_path.is_dir() else "does not exist"
+            raise UserError(f"--checkpoint {checkpoint_path} {what}; give a step-*.pt file.")
+        try:
+            state = checkpoint.load(checkpoint_path)["model"]
+        except Exception as err:   # not a torch checkpoint, or not one of largebatch's
+            raise UserError(f"--checkpoint {checkpoint_path} is not a largebatch checkpoint "
+                            f"({type(err).__name__}); give a step-*.pt file from the run's checkpoints/.") from None
+        checkpoint.restore(model, state, "run's model", checkpoint_path,
+                           f"give a checkpoint written by the run in {run_dir}.")
         res = evaluate(model, test, info, device, precision=cfg.train.precision, channels_last=channels_last,
                        flip=cfg.train.eval_flip, batch=batch)
         out.update({"checkpoint": str(checkpoint_path), **res})

@@ -63,24 +63,28 @@ def _in_use(path: Path) -> UserError:
                      "for it to finish or stop it, or give another --run-dir.")
 
 
-def check(path: Path, resume: bool) -> None:
-    """Step 2, without creating anything (the launcher's early check, before any worker starts)."""
-    _refuse_reasons(path, resume)
-    lock_path = path / LOCK
-    if not lock_path.exists():
-        return
+def in_use(path: Path) -> bool:
+    """Whether a live process holds the run directory's lock (is writing the run now)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY)
+        fd = os.open(path / LOCK, os.O_RDONLY)
     except OSError:
-        return
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise _in_use(path) from None
+            return True
         raise
     finally:
         os.close(fd)
+    return False
+
+
+def check(path: Path, resume: bool) -> None:
+    """Step 2, without creating anything (the launcher's early check, before any worker starts)."""
+    _refuse_reasons(path, resume)
+    if in_use(path):
+        raise _in_use(path)
 
 
 class Claim:

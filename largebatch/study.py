@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from largebatch import rundir
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
@@ -223,7 +224,7 @@ def main(argv: list[str]) -> int:
         run_dir = _cell_dir(args.out, b, o, s)
         summary_path = run_dir / "summary.json"
         if not summary_path.exists():
-            resume = any((run_dir / "checkpoints").glob("step-*.json"))
+            resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
             left = len(plan) - i
             console.print(f"[bold]study[/] cell {i + 1}/{len(plan)}: {o} batch {b} seed {s}"
                           f"{' (resuming)' if resume else ''}; {left - 1} cells left after this one")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -38,12 +37,6 @@ def parser() -> ArgumentParser:
                    help="with --dry-run: resolve the plan for this many workers (e.g. 2048)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _latest_run(recipe: str) -> Path | None:
@@ -120,10 +113,13 @@ def print_plan(plan: dict) -> None:
 
 def launch(args, argv: list[str]) -> int:
     """Start the workers through torch's elastic launcher (torchrun), rendezvous on loopback."""
-    from torch.distributed.run import main as torchrun_main
+    from largebatch import rundir
+    from largebatch.launch import free_port, run_agent
 
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
+    if not 0 <= args.max_restarts <= 1000:
+        raise UserError(f"--max-restarts is {args.max_restarts}; give a number from 0 to 1000.")
     run_dir = args.run_dir
     if run_dir is None:
         if args.resume:
@@ -132,8 +128,6 @@ def launch(args, argv: list[str]) -> int:
                 raise UserError(f"--resume found no run of {args.recipe!r} under runs/; give --run-dir.")
         else:
             run_dir = Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    from largebatch import rundir
-
     rundir.check(run_dir, args.resume)   # refuse before starting workers (rank 0 checks again under the lock)
     worker_argv = []
     skip = False
@@ -148,63 +142,30 @@ def launch(args, argv: list[str]) -> int:
             continue
         worker_argv.append(a)
     worker_argv += ["--run-dir", str(run_dir)]
-    port = _free_port()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
                 "--max-restarts", str(args.max_restarts), "-m", "largebatch", "train", *worker_argv]
-    quiet_launcher_logs()
     print(f"largebatch: starting {args.nproc_per_node} workers (torchrun {' '.join(launcher[:12])} ...)",
           file=sys.stderr, flush=True)
-    try:
-        torchrun_main(launcher)
-    except SystemExit as exc:   # torchrun exits through sys.exit on success
-        code = exc.code or 0
-    except Exception as exc:    # ChildFailedError: the workers' own messages are already printed
-        if type(exc).__name__ == "SignalException":   # the agent was signalled; workers stopped gracefully
-            signum = int(getattr(exc, "sigval", 15))
-            print(f"largebatch: stopped by signal {signum}; resume with: largebatch train {args.recipe} "
-                  f"--nproc-per-node {args.nproc_per_node} --run-dir {run_dir} --resume (and the same --set "
-                  "options)", file=sys.stderr, flush=True)
-            return 128 + signum
-        if type(exc).__name__ == "ChildFailedError":
-            return failed_exit_code(exc)
-        raise
-    else:
-        code = 0
-    if code == 0 and not (run_dir / "summary.json").exists():
+    code, signum = run_agent(launcher)
+    resume_hint = (f"resume with: largebatch train {args.recipe} --nproc-per-node {args.nproc_per_node} "
+                   f"--run-dir {run_dir} --resume (and the same --set options)")
+    finished = (run_dir / "summary.json").exists()
+    if signum is not None:   # the launcher was signalled; the workers stopped gracefully at a checkpoint
+        if finished:
+            print(f"largebatch: stopped by signal {signum} after the run finished; results in {run_dir}.",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"largebatch: stopped by signal {signum}; {resume_hint}", file=sys.stderr, flush=True)
+        return code
+    if code == 0 and not finished:
         # the workers (not this launcher) got SIGTERM / SIGINT and stopped gracefully at a checkpoint
-        print(f"largebatch: the workers stopped before the end; resume with: largebatch train {args.recipe} "
-              f"--nproc-per-node {args.nproc_per_node} --run-dir {run_dir} --resume (and the same --set options)",
-              file=sys.stderr, flush=True)
+        print(f"largebatch: the workers stopped before the end; {resume_hint}", file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
     if code == 0:
         _announce(run_dir)
     return int(code)
-
-
-def quiet_launcher_logs() -> None:
-    """torch's elastic agent logs a warning per worker it stops and an error per failure; after a worker's
-    own one-sentence error they bury it, so the launcher reports failures itself (`failed_exit_code`)."""
-    import logging
-
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def failed_exit_code(exc) -> int:
-    """The launcher's exit code after torchrun's ChildFailedError: 2 when a worker exited 2 (it printed the
-    user's error; the peers the agent stopped after it exit otherwise), else 1 with one line per failure."""
-    failures = getattr(exc, "failures", {}) or {}
-    codes = [f.exitcode for f in failures.values()]
-    if 2 in codes:
-        return 2
-    for rank, f in sorted(failures.items()):
-        how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 and -f.exitcode in \
-            signal.valid_signals() else f"exit code {f.exitcode}"
-        print(f"largebatch: worker rank {rank} (pid {f.pid}) failed with {how}; its output is above.",
-              file=sys.stderr, flush=True)
-    return 1
 
 
 def _announce(run_dir: Path) -> None:
@@ -224,7 +185,8 @@ def main(argv: list[str]) -> int:
     cfg = config_mod.load(args.recipe, args.overrides)
     under_torchrun = "LOCAL_RANK" in os.environ
     if args.dry_run:
-        world = args.world_size or (args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1")))
+        world = args.world_size if args.world_size is not None else (
+            args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1")))
         if world < 1:
             raise UserError(f"--world-size is {world}; give 1 or more workers.")
         plan = dry_run(cfg, world)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -272,11 +270,13 @@ class Trainer:
             return
         path, meta = found
         state = checkpoint.load(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        fix = ("resume with the recipe and --set options the run was started with (its config.yaml), or start "
+               "a new run with a fresh --run-dir.")
+        checkpoint.restore(self.model, state["model"], "model", path, fix)
+        checkpoint.restore(self.optimizer, state["optimizer"], f"optimizer ({self.cfg.optim.name})", path, fix)
         self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state["ema"]:
-            self.ema.load_state_dict(state["ema"])
+            checkpoint.restore(self.ema, state["ema"], "EMA model", path, fix)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = state["step"]
@@ -612,6 +612,9 @@ def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.de
         dist.all_reduce(sums)
     model.train()
     c1, c5, loss, n = sums.tolist()
+    if n == 0:
+        raise UserError("evaluation saw no test images: every one was corrupt or unreadable, or the test set is "
+                        "empty; check data.root (the skipped files are listed in the run's corrupt_images.txt).")
     out = {"top1": c1 / max(n, 1), "top5": c5 / max(n, 1), "loss": loss / max(n, 1), "count": int(n)}
     if return_probs:
         out["probs"] = torch.cat(probs) if probs else torch.zeros(0)

@@ -107,10 +107,17 @@ def test_corrupt_truncated_grayscale_cmyk(tmp_path):
 def test_missing_or_empty_splits(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         build_data(_cfg(tmp_path / "nope"), seed=0)
-    (tmp_path / "train" / "a").mkdir(parents=True)
+    (tmp_path / "train").mkdir()
     with pytest.raises(UserError, match="train has no JPEG"):
         build_data(_cfg(tmp_path), seed=0)
+    (tmp_path / "train" / "a").mkdir()
+    with pytest.raises(UserError, match=r"class folder .*train/a has no JPEG files"):   # an empty class
+        build_data(_cfg(tmp_path), seed=0)
     _jpeg(tmp_path / "train" / "a" / "0.jpg", np.zeros((8, 8, 3), np.uint8))
+    with pytest.raises(UserError, match=r"has 1 class folder\(s\); a classifier needs 2 or more"):
+        build_data(_cfg(tmp_path), seed=0)
+    (tmp_path / "train" / "b").mkdir()
+    _jpeg(tmp_path / "train" / "b" / "0.jpg", np.zeros((8, 8, 3), np.uint8))
     with pytest.raises(UserError, match="val is missing"):
         build_data(_cfg(tmp_path), seed=0)
     (tmp_path / "val" / "a").mkdir(parents=True)

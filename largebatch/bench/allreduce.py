@@ -33,9 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Optional
@@ -131,12 +129,6 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _without_nproc(argv: list[str]) -> list[str]:
     """The workers' arguments: --nproc dropped (torchrun would take it for its own --nproc-per-node)."""
     out, skip = [], False
@@ -154,11 +146,12 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     _validate(args)
     if not _under_torchrun():                                                   # 1. launch
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "largebatch", "bench", "allreduce", *_without_nproc(argv)]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.run(cmd, env=env).returncode
+        from largebatch.launch import free_port, run_agent
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        return run_agent(["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
+                          "--master-port", str(free_port()), "-m", "largebatch", "bench", "allreduce",
+                          *_without_nproc(argv)])[0]
     from largebatch import dist as ldist
 
     device = ldist.pick_device("auto")

@@ -50,7 +50,7 @@ def load(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="largebatch bench speedrun", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="largebatch bench speedrun", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--root", default="/usr/share/datasets/fashion-mnist", help="directory of the IDX files")
     p.add_argument("--target", type=float, default=0.94, help="test top-1 to reach")
     p.add_argument("--budget", type=float, default=600.0, help="training wall-time limit in seconds")

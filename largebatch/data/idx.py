@@ -85,6 +85,9 @@ def find(root: Path, stem: str) -> Path:
 def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Images (N x 1 x H x W uint8) and labels (N int64) of 'train' or 't10k'."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"data.root {root} is a file, not a directory; set data.root to the directory that holds "
+                        "the IDX files.")
     if not root.is_dir():
         raise UserError(f"IDX data directory {root} does not exist; install Fashion-MNIST with '{APT_HINT}' "
                         f"or set data.root to a directory with the IDX files.")
@@ -93,6 +96,8 @@ def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor
     if images.dtype != torch.uint8 or images.ndim != 3:
         raise UserError(f"{split} images in {root} must be uint8 N x H x W, got {images.dtype} {tuple(images.shape)}; "
                         f"use MNIST-layout image files.")
+    if images.shape[0] == 0:
+        raise UserError(f"{split} images in {root} hold 0 images; use IDX files with data in them.")
     if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
         raise UserError(f"{split} labels in {root} ({tuple(labels.shape)}) do not match the {images.shape[0]} images; "
                         f"use matching image and label files.")

@@ -60,12 +60,12 @@ def scan(root: Path, split: str, classes: list[str] | None = None) -> tuple[list
                             "training images there or remove the folder.")
         paths += files
         labels += [label] * len(files)
-    if split == "train" and len(classes) < 2:
-        raise UserError(f"ImageFolder split {base} has {len(classes)} class folder(s); a classifier needs 2 or more, "
-                        f"one sub-directory of JPEGs per class.")
     if not paths:
         raise UserError(f"ImageFolder split {base} has no JPEG files (*.jpg, *.jpeg) in its class folders; "
                         f"put images in {base}/<class>/.")
+    if split == "train" and len(classes) < 2:
+        raise UserError(f"ImageFolder split {base} has {len(classes)} class folder(s); a classifier needs 2 or more, "
+                        f"one sub-directory of JPEGs per class.")
     return classes, np.array(paths), torch.tensor(labels, dtype=torch.int64)
 
 
@@ -147,6 +147,9 @@ class ImageFolderSource:
                 if self.on_corrupt == "fail":
                     raise UserError(f"corrupt or truncated image {corrupt[0]}; replace or delete it, "
                                     f"or set data.on_corrupt=skip to skip such files.")
+                if len(y) == 0 and train:
+                    raise UserError(f"every image of a training batch was corrupt or unreadable (e.g. {corrupt[0]}); "
+                                    "check the files under data.root.")
             yield x, y
 
     def close(self) -> None:
@@ -158,6 +161,9 @@ def build_imagefolder(cfg, seed: int):
     from largebatch.data import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
 
     root = Path(cfg.root)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"data.root {root} is a file, not a directory; set data.root to a directory with train/ "
+                        "and val/.")
     if not root.is_dir():
         raise UserError(f"ImageFolder root {root} does not exist; set data.root to a directory with train/ and val/.")
     classes, train_paths, train_labels = scan(root, "train")

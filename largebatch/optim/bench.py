@@ -41,7 +41,7 @@ def time_steps(opt: torch.optim.Optimizer, steps: int, device: torch.device) -> 
 
 
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="python -m largebatch.optim.bench", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="largebatch bench optim", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50", help=f"one of {', '.join(MODELS)}")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")

@@ -21,26 +21,26 @@ from largebatch.perf.model import ALGORITHMS, Prediction, predict
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="largebatch plan", description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--model", default="resnet50")
-    a("--image-size", type=int, default=224)
-    a("--in-channels", type=int, default=3)
-    a("--num-classes", type=int, default=1000)
-    a("--stem", default="imagenet")
-    a("--width", type=int, default=64)
+    a("--model", default="resnet50", help="architecture from largebatch.models (its FLOPs and gradient size)")
+    a("--image-size", type=int, default=224, help="training image side in pixels")
+    a("--in-channels", type=int, default=3, help="input channels")
+    a("--num-classes", type=int, default=1000, help="classes of the classifier head")
+    a("--stem", default="imagenet", help="imagenet (7x7/2 + max-pool) or small (3x3/1)")
+    a("--width", type=int, default=64, help="channels of the first stage (64 for the standard ResNets)")
     a("--device", default="v100", help="catalog device (see --list)")
-    a("--devices", type=int, default=8)
-    a("--devices-per-node", type=int, default=8)
+    a("--devices", type=int, default=8, help="accelerators in the run")
+    a("--devices-per-node", type=int, default=8, help="accelerators per node")
     a("--intra-node", default=None, help="intra-node link (default: the device's)")
     a("--inter-node", default="ib-edr:1", help="inter-node link[:links per node]")
     a("--algorithm", default="ring", help=f"one of {', '.join(ALGORITHMS)}")
     a("--torus-x", type=int, default=None, help="torus2d row length (default: the cheapest divisor)")
-    a("--global-batch", type=int, default=2048)
-    a("--epochs", type=float, default=90.0)
-    a("--dataset-size", type=int, default=1281167)
-    a("--precision", default="fp16")
-    a("--bucket-mb", type=float, default=25.0)
+    a("--global-batch", type=int, default=2048, help="images per step across all devices")
+    a("--epochs", type=float, default=90.0, help="training epochs")
+    a("--dataset-size", type=int, default=1281167, help="training images per epoch (ImageNet-1k: 1,281,167)")
+    a("--precision", default="fp16", help="training precision: the device's peak for it from the catalog")
+    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (tensor fusion)")
     a("--no-overlap", action="store_true", help="communication after backward, not during")
-    a("--price-per-device-hour", type=float, default=None)
+    a("--price-per-device-hour", type=float, default=None, help="USD per device-hour, for the cost (default: no cost)")
     a("--purchase-price", type=float, default=None, help="USD per device (default: the catalog's)")
     a("--json", action="store_true", help="print one JSON object")
     a("--sweep", default=None, help="devices=LO:HI (powers of two times devices per node)")
@@ -115,6 +115,9 @@ def _sweep(args) -> int:
     counts = sorted({2**k for k in range(int(math.log2(lo)), int(math.log2(hi)) + 1) if lo <= 2**k <= hi}
                     | {lo, hi})
     counts = [n for n in counts if n <= args.devices_per_node or n % args.devices_per_node == 0]
+    if not counts:
+        raise UserError(f"--sweep {args.sweep} holds no device count that fills whole nodes of "
+                        f"{args.devices_per_node}; widen the range or change --devices-per-node.")
     results: dict[str, list[Prediction]] = {}
     kw = _kwargs(args)
     for alg in ALGORITHMS:
@@ -166,8 +169,27 @@ def _sweep(args) -> int:
     return 0
 
 
+def _validate(args) -> None:
+    """Every number a user gives is checked here, one sentence each (a negative price gave a negative cost)."""
+    for flag, value, low in (("--image-size", args.image_size, 1), ("--in-channels", args.in_channels, 1),
+                             ("--num-classes", args.num_classes, 2), ("--width", args.width, 1),
+                             ("--devices", args.devices, 1), ("--devices-per-node", args.devices_per_node, 1),
+                             ("--global-batch", args.global_batch, 1), ("--dataset-size", args.dataset_size, 1),
+                             ("--nproc", args.nproc, 1)):
+        if value < low:
+            raise UserError(f"{flag} is {value}; give {low} or more.")
+    for flag, value, zero_ok in (("--epochs", args.epochs, False), ("--bucket-mb", args.bucket_mb, False),
+                                 ("--price-per-device-hour", args.price_per_device_hour, True),
+                                 ("--purchase-price", args.purchase_price, True)):
+        if value is not None and (not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok)):
+            raise UserError(f"{flag} is {value}; give a {'non-negative' if zero_ok else 'positive'} finite number.")
+    if args.torus_x is not None and args.torus_x < 1:
+        raise UserError(f"--torus-x is {args.torus_x}; give a divisor of --devices.")
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    _validate(args)
     if args.list:
         from largebatch.perf.catalog import load_catalog
         cat = load_catalog()

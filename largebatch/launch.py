@@ -1,0 +1,73 @@
+"""Starting workers: torch's elastic agent (torchrun), run in this process, with largebatch's exit codes.
+
+Every command that starts workers goes through `run_agent` (`largebatch train` and `evaluate` with
+--nproc-per-node, `bench allreduce`), or through `python -m largebatch.launch TORCHRUN_ARGS` where the
+agent must be its own process (`cluster run` starts one per namespaced host). What it adds to torchrun:
+
+1. Exit codes: 2 when a worker exited 2 (it printed the user's one-sentence error; the peers that the
+   agent stopped after it exit otherwise), 128 + N when the agent itself got signal N, else the workers'.
+2. Quiet: the agent's warning for each worker it stops and its error box for each failure would bury
+   the worker's own sentence, so they are off and a failure that is not a user error gets one line
+   per worker instead.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def quiet_agent_logs() -> None:
+    for name in AGENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failed_exit_code(exc) -> int:
+    """Step 1 for torchrun's ChildFailedError."""
+    failures = getattr(exc, "failures", {}) or {}
+    codes = [f.exitcode for f in failures.values()]
+    if 2 in codes:
+        return 2
+    for rank, f in sorted(failures.items()):
+        if f.exitcode < 0 and -f.exitcode in signal.valid_signals():
+            how = f"signal {signal.Signals(-f.exitcode).name}"
+        else:
+            how = f"exit code {f.exitcode}"
+        print(f"largebatch: worker rank {rank} (pid {f.pid}) failed with {how}; its output is above.",
+              file=sys.stderr, flush=True)
+    return 1
+
+
+def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
+    """Run torchrun with `torchrun_args` in this process; (exit code, signal number if the agent was
+    signalled, else None)."""
+    from torch.distributed.run import main as torchrun_main
+
+    quiet_agent_logs()
+    try:
+        torchrun_main(torchrun_args)
+    except SystemExit as exc:   # torchrun exits through sys.exit
+        return int(exc.code or 0), None
+    except Exception as exc:
+        name = type(exc).__name__
+        if name == "SignalException":   # the agent was signalled; it stopped the workers
+            signum = int(getattr(exc, "sigval", signal.SIGTERM))
+            return 128 + signum, signum
+        if name == "ChildFailedError":
+            return failed_exit_code(exc), None
+        raise
+    return 0, None
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(sys.argv[1:])[0])
