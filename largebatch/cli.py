@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     code = _run(module_name, rest)
     dist = sys.modules.get("largebatch.dist")
-    if dist is not None:   # a thread of ours that could not be joined: exit without finalization
-        dist.exit_now_if_threads_stuck(code)
+    if dist is not None:   # a process that ran a process group exits without finalization (dist.end_process)
+        dist.end_process(code)
     return code
 
 

@@ -64,6 +64,8 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
         if store is not None:
             kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        global _had_group
+        _had_group = True
     return info
 
 
@@ -89,6 +91,7 @@ def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
 
 
 _stuck_threads: list[str] = []
+_had_group = False   # this process created a process group (set by `init`)
 
 
 def note_stuck_thread(name: str) -> None:
@@ -96,12 +99,20 @@ def note_stuck_thread(name: str) -> None:
     _stuck_threads.append(name)
 
 
-def exit_now_if_threads_stuck(code: int) -> None:
-    """The last step of the teardown: when a thread of ours could not be joined it may be inside native
-    code with the GIL released, and interpreter finalization would end it with pthread_exit, which aborts
-    the process (std::terminate, exit code -6) instead of exiting with `code`. Then exit without
-    finalization, after flushing what was printed; otherwise return and let Python exit normally."""
-    if not _stuck_threads:
+def end_process(code: int) -> None:
+    """The last step of the teardown, for a process that ran a process group or still has a thread of ours
+    that could not be joined: flush what was printed and exit with `code` without interpreter finalization.
+
+    Why: a native thread that re-enters Python while the interpreter finalizes is ended by CPython with
+    pthread_exit, and its unwinding through a noexcept C++ frame (pybind11's GIL guards) calls
+    std::terminate: "terminate called without an active exception", exit code -6, after a run that
+    succeeded. Our own threads are joined before this (`Trainer.close`), but gloo's worker threads
+    (pt_gloo_runloop) outlive `destroy_process_group` once DDP has used the group (DDP keeps a reference
+    to it from C++), and one that is slow to drop its last work under CPU load can release a Python-owned
+    tensor, which takes the GIL, during finalization. Everything the run writes is closed and fsync'ed
+    before this point; nothing is left for finalization to do. Returns (normal exit) otherwise.
+    """
+    if not (_stuck_threads or _had_group):
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

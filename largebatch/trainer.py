@@ -245,6 +245,7 @@ class Trainer:
                          "wall_s": self.wall_before + self._session_wall(), "images_seen": self.images_seen,
                          "train_time": self.train_time},
             "config_hash": self.cfg.hash(),
+            "optimizer_name": self.cfg.optim.name,
             # the comm hook's fields, without its process group (plain data: loads with weights_only)
             "comm": self.comm_state.__getstate__() if self.comm_state is not None else {},
         }
@@ -272,6 +273,10 @@ class Trainer:
         state = checkpoint.load(path)
         fix = ("resume with the recipe and --set options the run was started with (its config.yaml), or start "
                "a new run with a fresh --run-dir.")
+        written_by = state.get("optimizer_name", self.cfg.optim.name)
+        if written_by != self.cfg.optim.name:   # its state would load, then fail (or mislead) at the first step
+            raise UserError(f"checkpoint {path} was written with optim.name={written_by} but this run uses "
+                            f"{self.cfg.optim.name}; {fix}")
         checkpoint.restore(self.model, state["model"], "model", path, fix)
         checkpoint.restore(self.optimizer, state["optimizer"], f"optimizer ({self.cfg.optim.name})", path, fix)
         self.scaler.load_state_dict(state["scaler"])
@@ -388,7 +393,7 @@ class Trainer:
         every thread of ours that touches the control store or a process group (the watchdog's publisher,
         the comm hook's thread, the pipeline's cross-level worker), stop the data loaders, release the run
         directory. Idempotent. True when every thread ended; a thread that did not is recorded so the
-        process exits without interpreter finalization (`dist.exit_now_if_threads_stuck`)."""
+        process exits without interpreter finalization (`dist.end_process`)."""
         joined = True
         if self.watchdog is not None and not self.watchdog.close(timeout_s):
             joined = False

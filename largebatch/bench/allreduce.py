@@ -123,6 +123,18 @@ def _validate(args: Any) -> None:
     args.size_list = parse_sizes(args.sizes)
     if not args.size_list:
         raise UserError(f"--sizes {args.sizes!r} names no size; e.g. 4KB:64MB.")
+    for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        if path and not _under_torchrun():   # before the workers measure anything: their folder must take files
+            from pathlib import Path
+
+            folder = Path(path).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise UserError(f"{flag} {path}: cannot create {folder} ({err.strerror}); give a path in a "
+                                "writable directory.") from None
+            if not os.access(folder, os.W_OK):
+                raise UserError(f"{flag} {path}: {folder} is not writable; give a path in a writable directory.")
 
 
 def _under_torchrun() -> bool:

@@ -1,0 +1,180 @@
+"""A run directory belongs to its run: refused without --resume, one writer at a time (a real flock held
+by a real process), workers that stop when their launcher is SIGKILLed, no side effects on directories the
+run did not create, and teardown with no thread of ours left behind."""
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from largebatch import checkpoint, rundir
+from largebatch.errors import UserError
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = ["--set", "model.width=4", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=256",
+        "--set", "data.image_size=8", "--set", "batch.global_batch=64", "--set", "schedule.epochs=1",
+        "--set", "schedule.warmup_epochs=0", "--set", "train.plots=false", "--quiet"]
+
+
+def _files(run: Path) -> dict:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _user_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("largebatch: error:")]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_a_finished_run_is_refused_without_resume_and_left_as_it_was(cli, tmp_path):
+    run = tmp_path / "run"
+    cli("train", *TINY, "--run-dir", run, check=True)
+    before = _files(run)
+    # one process and two workers alike: one sentence naming --resume, nothing written
+    _user_error(cli("train", *TINY, "--run-dir", run), "already holds a run", "--resume", "fresh --run-dir")
+    _user_error(cli("train", *TINY, "--run-dir", run, "--nproc-per-node", "2"), "already holds a run")
+    _user_error(cli("train", *TINY, "--run-dir", run, "--set", "optim.lr=0.2"), "already holds a run")
+    assert _files(run) == before
+    # a file where the run directory should be
+    f = tmp_path / "file"
+    f.write_text("mine")
+    _user_error(cli("train", *TINY, "--run-dir", f), "is a file, not a directory")
+    assert f.read_text() == "mine"
+
+
+def test_resume_on_an_empty_directory_writes_its_config_so_evaluate_works(cli, tmp_path):
+    run = tmp_path / "empty"
+    run.mkdir()
+    proc = cli("train", *TINY, "--run-dir", run, "--resume", check=True)
+    assert "no checkpoint" in proc.stderr
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+    ev = cli("evaluate", run, check=True)
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["count"] > 0
+
+
+def test_a_second_writer_is_refused_while_the_first_runs(cli, tmp_path):
+    """A real first run holds the lock; a second `--resume` on its directory is refused at once and
+    the first run finishes untouched."""
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
+                              "--set", "train.log_every=1", "--run-dir", str(run)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        t = time.monotonic()
+        second = cli("train", *TINY, "--run-dir", run, "--resume")
+        _user_error(second, "is in use by another largebatch process", f"pid {first.pid}")
+        assert time.monotonic() - t < 60   # refused at once, not after waiting for the lock
+        assert rundir.in_use(run)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=120)
+    assert first.returncode == 143, err   # the first run stopped gracefully, at a checkpoint
+    assert checkpoint.latest(run / "checkpoints") is not None
+    assert not rundir.in_use(run)
+    cli("train", *TINY, "--set", "schedule.epochs=40", "--set", "train.max_steps=6", "--run-dir", run,
+        "--resume", check=True)   # and the run can be resumed once the first writer has gone
+
+
+def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_path):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
+                                 "--set", "train.log_every=1", "--nproc-per-node", "2", "--run-dir", str(run)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + 150
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert len(workers) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 90
+    while any(_alive(pid) for pid in workers):   # PR_SET_PDEATHSIG: SIGTERM -> stop at the next step
+        assert time.monotonic() < deadline, "workers kept running after their launcher died"
+        time.sleep(0.2)
+    assert not rundir.in_use(run)
+    assert checkpoint.latest(run / "checkpoints") is not None   # the graceful stop wrote a checkpoint
+    assert not (run / "summary.json").exists()
+    cli("train", *TINY, "--set", "schedule.epochs=40", "--set", "train.max_steps=8", "--run-dir", run,
+        "--resume", check=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_claim_keeps_modes_of_existing_directories_and_locks(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    claim = rundir.claim(shared, resume=False)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777      # sticky bit and mode untouched
+    with pytest.raises(UserError, match="in use by another largebatch process"):
+        rundir.claim(shared, resume=True)                      # a second open file description: refused
+    claim.release()
+    rundir.claim(shared, resume=True).release()
+    new = tmp_path / "a" / "new"
+    old_umask = os.umask(0)
+    try:
+        rundir.claim(new, resume=False).release()
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o755          # a directory it creates: never world-writable
+    (new / "notes.txt").write_text("a file of the user's is no run")
+    rundir.claim(new, resume=False).release()
+    (new / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="already holds a run"):
+        rundir.claim(new, resume=False)
+
+
+def test_teardown_leaves_no_thread_of_ours(tmp_path, one_thread):
+    """Trainer.close joins its threads; the watchdog's publisher is joined even while it is inside a
+    (slow) store call: a daemon thread left inside native code at interpreter exit aborts the process."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from largebatch.reliability import Watchdog
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    dog = Watchdog(client, 0, 1, timeout_s=60.0, publish_every_s=0.0)
+    big = "r" * (4 << 20)    # every publish is a 4 MB store call
+    for step in range(50):
+        dog.check_in(step, big + str(step))
+    assert dog.close() is True
+    assert not [t for t in threading.enumerate() if t.name == "largebatch-watchdog"]
+
+    from largebatch.config import from_dict
+    from largebatch.trainer import Trainer
+
+    cfg = from_dict({"model": {"width": 4}, "data": {"dataset": "synthetic", "synthetic_size": 128, "image_size": 8},
+                     "batch": {"global_batch": 32}, "schedule": {"epochs": 1, "warmup_epochs": 0},
+                     "train": {"plots": False}})
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    trainer.fit()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("largebatch")]
+    assert not rundir.in_use(tmp_path / "run")
