@@ -97,3 +97,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise UserError(f"{self.prog}: {message} (see '{self.prog} --help').")
+
+
+def check_numbers(*checks: tuple[str, float, bool, str]) -> None:
+    """(flag, value, ok, requirement) each: the first that is not ok becomes one sentence naming that flag
+    alone, e.g. ``--steps is 0; give 1 or more.``"""
+    for flag, value, ok, need in checks:
+        if not ok:
+            raise UserError(f"{flag} is {value}; give {need}.")

@@ -275,6 +275,8 @@ def list_recipes() -> list[str]:
 def resolve_recipe(recipe: str) -> Path:
     path = Path(recipe)
     if path.suffix in (".yaml", ".yml") or "/" in recipe:
+        if path.is_dir():
+            raise UserError(f"recipe {recipe} is a directory; give a YAML file or one of: {', '.join(list_recipes())}.")
         if not path.is_file():
             raise UserError(f"recipe file {recipe} does not exist; give a YAML path or one of: {', '.join(list_recipes())}.")
         return path

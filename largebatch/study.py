@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from largebatch import rundir
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.errors import UserError
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
@@ -198,8 +198,8 @@ def main(argv: list[str]) -> int:
     bad = [o for o in optimizers if o not in OPTIMIZER_SETTINGS]
     if bad:
         raise UserError(f"--optimizers has {bad}; choose from {', '.join(OPTIMIZER_SETTINGS)}.")
-    if args.seeds < 1 or args.nproc_per_node < 1 or args.micro_batch < 1:
-        raise UserError("--seeds, --nproc-per-node and --micro-batch must be 1 or more.")
+    check_numbers(*((flag, value, value >= 1, "1 or more") for flag, value in (
+        ("--seeds", args.seeds), ("--nproc-per-node", args.nproc_per_node), ("--micro-batch", args.micro_batch))))
     if args.epochs is not None and args.epochs <= 0:
         raise UserError(f"--epochs is {args.epochs}; give a positive number of epochs.")
     _check_cells(args, batches, optimizers)

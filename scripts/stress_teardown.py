@@ -7,6 +7,8 @@ publisher thread on, as in every launched run) of the default recipe for a few s
 busy processes keep the cores saturated. The cases, taken in turn:
 
 - finish:      the default recipe, 3 steps                          -> exit code 0
+- tiny-checkpoints: a tiny synthetic run of 8 short steps with a checkpoint every 2 (the shape of the
+               runs in which the abort at exit was first seen)             -> 0
 - p2p-hook:    the same with comm.algorithm=ring (the comm thread)  -> 0
 - early-error: rank 1 raises a user error at step 1 (LARGEBATCH_FAULTS=error@1:1) -> 2
 - sigterm:     SIGTERM to the launcher after the first logged step  -> 143
@@ -32,8 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["--set", "train.max_steps=3", "--set", "train.log_every=1", "--set", "train.plots=false",
         "--set", "train.eval_every=0", "--quiet"]
+TINY = ["--set", "model.width=8", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=512",
+        "--set", "data.image_size=16", "--set", "batch.global_batch=64", "--set", "train.max_steps=8",
+        "--set", "train.checkpoint_every=2"]
 CASES = {
     "finish": ([], {}, 0),
+    "tiny-checkpoints": (TINY, {}, 0),
     "p2p-hook": (["--set", "comm.algorithm=ring"], {}, 0),
     "early-error": ([], {"LARGEBATCH_FAULTS": "error@1:1"}, 2),
     "sigterm": ([], {}, 143),

@@ -162,8 +162,11 @@ def test_failing_command_exits_nonzero_and_leaves_nothing() -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_tears_down_namespaces_and_agents(signum: int) -> None:
+    # SIGINT as at a terminal: a suite started in the background (nohup, &) hands its children an
+    # ignored SIGINT, which Python then keeps ignoring
     proc = subprocess.Popen(_cli("--nodes", "2", "--exec", "--", "python", "-c", "import time; time.sleep(120)"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         run_id = None
         for line in proc.stderr:  # the hosts line comes once the namespaces exist

@@ -84,7 +84,7 @@ def test_unreadable_recipes(main, tmp_path):
     _expect(main("train", listing, "--dry-run"), "must be a YAML mapping")
     folder = tmp_path / "dir.yaml"
     folder.mkdir()
-    _expect(main("train", folder, "--dry-run"), "does not exist")
+    _expect(main("train", folder, "--dry-run"), "is a directory; give a YAML file")
 
 
 def test_commands_and_groups(main):
@@ -111,6 +111,12 @@ def test_help_texts(capsys):
     with pytest.raises(SystemExit):
         cli_mod.main(["bench", "speedrun", "--help"])
     assert "compared with." in " ".join(capsys.readouterr().out.split())   # the whole sentence
+
+
+def test_one_constraint_at_a_time(main):
+    _expect(main("bench", "scaling", "--steps", "0"), "--steps is 0; give 1 or more.")
+    _expect(main("bench", "speedrun", "--lr", "0"), "--lr is 0.0; give a positive learning rate.")
+    _expect(main("study", "batch-scaling", "--seeds", "0"), "--seeds is 0; give 1 or more.")
 
 
 def test_plan_numbers(main):

@@ -81,9 +81,11 @@ def main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise UserError(f"--algorithms has {', '.join(bad) or 'nothing'}; choose from {', '.join(ALGORITHMS)}.")
-    if args.workers < 2 or min(args.per_worker_batch, args.steps, args.threads, args.repeats, args.width) < 1:
-        raise UserError("bench scaling needs --workers >= 2 and --per-worker-batch, --steps, --threads, "
-                        "--repeats, --width >= 1.")
+    from largebatch.cli import check_numbers
+
+    check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),
+                  *((f"--{name.replace('_', '-')}", getattr(args, name), getattr(args, name) >= 1, "1 or more")
+                    for name in ("per_worker_batch", "steps", "threads", "repeats", "width")))
 
     single: list[float] = []
     scaled: dict[str, list[float]] = {a: [] for a in algorithms}

@@ -61,8 +61,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    if args.batch < 1 or args.epochs < 1 or args.budget <= 0 or not 0 < args.target <= 1 or args.lr <= 0:
-        raise UserError("bench speedrun needs --batch, --epochs >= 1, --budget > 0, --lr > 0 and --target in (0, 1].")
+    from largebatch.cli import check_numbers
+
+    check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
+                  ("--epochs", args.epochs, args.epochs >= 1, "1 or more"),
+                  ("--budget", args.budget, args.budget > 0, "a positive number of seconds"),
+                  ("--lr", args.lr, args.lr > 0, "a positive learning rate"),
+                  ("--target", args.target, 0 < args.target <= 1, "a top-1 fraction in (0, 1]"))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
