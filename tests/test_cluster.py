@@ -242,3 +242,16 @@ def test_two_training_steps_across_two_hosts(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "[node 0]" in r.stdout and "[node 1]" in r.stdout
     assert _namespaces_of(_run_id(r.stderr)) == []
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_a_user_error_on_the_hosts_exits_2_without_a_traceback() -> None:
+    """The workers on both hosts reject the config: each node's agent (largebatch.launch) exits 2, and so
+    does `cluster run`, with the workers' sentence and no ChildFailedError traceback."""
+    proc = subprocess.run(_cli("--nodes", "2", "--", "train", "--set", "optim.lr=-1", "--quiet"),
+                          capture_output=True, text=True, cwd=REPO, timeout=170)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "optim.lr is -1.0" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out

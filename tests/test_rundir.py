@@ -40,7 +40,8 @@ def _user_error(proc, *fragments):
 
 def test_a_finished_run_is_refused_without_resume_and_left_as_it_was(cli, tmp_path):
     run = tmp_path / "run"
-    cli("train", *TINY, "--run-dir", run, check=True)
+    done = cli("train", *TINY, "--run-dir", run, check=True)
+    assert f"run directory {run}" in done.stderr and "plots in" not in done.stderr   # train.plots=false
     before = _files(run)
     # one process and two workers alike: one sentence naming --resume, nothing written
     _user_error(cli("train", *TINY, "--run-dir", run), "already holds a run", "--resume", "fresh --run-dir")
@@ -62,6 +63,11 @@ def test_resume_on_an_empty_directory_writes_its_config_so_evaluate_works(cli, t
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
     ev = cli("evaluate", run, check=True)
     assert json.loads(ev.stdout.strip().splitlines()[-1])["count"] > 0
+    ev2 = cli("evaluate", run, "--nproc-per-node", "2")   # under the launcher: 0, and 2 for a user error
+    assert ev2.returncode == 0, ev2.stderr
+    assert json.loads(ev2.stdout.strip().splitlines()[-1])["world_size"] == 2
+    bad = cli("evaluate", run, "--nproc-per-node", "2", "--checkpoint", tmp_path / "nope.pt")
+    _user_error(bad, "nope.pt does not exist")
 
 
 def test_a_second_writer_is_refused_while_the_first_runs(cli, tmp_path):
