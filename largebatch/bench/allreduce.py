@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 
 from largebatch import comm
+from largebatch.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.comm import cost
 from largebatch.errors import UserError
 
-MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_ALGORITHMS = ["native", "ring", "halving_doubling", "torus2d", "hierarchical"]
 
@@ -374,7 +374,7 @@ def _write_json(args: Any, payload: dict[str, Any]) -> None:
     if not args.json:
         return
     payload = {"command": "largebatch bench allreduce " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "allreduce"] else sys.argv[1:]),
-               "machine": MACHINE, "load_average_1_5_15": list(os.getloadavg()), **payload}
+               "machine": machine(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "load_average_1_5_15": list(os.getloadavg()), **payload}
     with open(args.json, "w") as f:
         json.dump(payload, f, indent=1)
 
@@ -395,7 +395,7 @@ def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
                   [human(r["bytes"]) for r in rows if r["algorithm"] == "native"], fontsize=7)
     ax.set_xlabel("message size")
     ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"all-reduce busbw, {nodes} node(s) x {p // max(1, nodes)} processes, gloo ({MACHINE})", fontsize=8)
+    ax.set_title(f"all-reduce busbw, {nodes} node(s) x {p // max(1, nodes)} processes, gloo ({machine(torch.device('cpu'))})", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

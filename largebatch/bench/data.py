@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from largebatch.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
 
-MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
         "stage_ms_per_image": stages,
         "idx_images_per_s": round(idx_rate, 1) if idx_rate else None,
         "load_average": [round(v, 2) for v in os.getloadavg()],
-        "machine": MACHINE,
+        "machine": machine(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "command": "largebatch bench data " + " ".join(argv),
     }
     print(f"data pipeline, {n} JPEGs of {args.width}x{args.height} (~{result['mean_jpeg_kb']} KB), crop {args.size}, "

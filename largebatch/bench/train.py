@@ -13,9 +13,14 @@ Everything below runs in one process, in the same run, with the same threads (co
    model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (foreach SGD), the one
    finiteness host sync per step. The product's step, not a separate loop; the crop of the next batch is
    timed with it.
+   Peers (--peers timm,torchvision): those libraries' own `resnet50`-style models (the same name as
+   --model) through one plain loop with each configuration's settings (autocast precision, channels_last,
+   torch.compile, GradScaler for fp16), named ``timm:CONFIG`` and ``torchvision:CONFIG``. A peer that is not
+   installed is reported as skipped.
 4. Timing: one untimed warm-up step per entry (and compilation), then --rounds rounds; in each round every
-   entry runs --steps steps in turn, so a load change on a shared machine hits all of them alike. Each
-   entry's figure is its median round.
+   entry runs --steps steps in turn, so a load change on a shared machine hits all of them alike; on CUDA
+   each entry's steps end with a device synchronisation. Each entry's figure is its median round. On CUDA,
+   fp32 means TF32 matmuls and convolutions for every entry alike (`torch.set_float32_matmul_precision("high")`).
 5. Report: images/s per entry, the fastest largebatch configuration, its speedup over the plain loop, and
    MFU = images/s x 3 x forward FLOPs per image (`count_flops`; backward = 2 x forward) / peak, against
    the fp32 peak, the bf16 peak and the machine's peak. --json writes all of it.
@@ -32,27 +37,38 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from largebatch.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
-MACHINE = "2-core CPU container, no GPU, torch " + torch.__version__.split("+")[0]
 PRECISIONS = ("fp32", "bf16", "fp16")
+PEERS = ("timm", "torchvision")
 
 
-def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5,
+                       device: torch.device = torch.device("cpu")) -> float:
     """Step 1: best GFLOP/s of `size` x `size` matmuls in `dtype` over at least `min_time_s` seconds."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype)
-    b = torch.randn(size, size, generator=gen).to(dtype)
+    a = torch.randn(size, size, generator=gen).to(device, dtype)
+    b = torch.randn(size, size, generator=gen).to(device, dtype)
     torch.mm(a, b)   # warm-up: kernel selection, page faults
+    _sync(device)
     best, spent, reps = 0.0, 0.0, 0
+    inner = 10 if device.type == "cuda" else 1   # a GPU product takes microseconds: time several
     while spent < min_time_s or (reps < 3 and spent < 10 * min_time_s):   # slow dtypes: fewer repetitions
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        for _ in range(inner):
+            torch.mm(a, b)
+        _sync(device)
         dt = time.perf_counter() - t0
         spent += dt
         reps += 1
-        best = max(best, 2 * size ** 3 / dt / 1e9)
+        best = max(best, inner * 2 * size ** 3 / dt / 1e9)
     return best
 
 
@@ -67,28 +83,57 @@ def parse_config(name: str) -> dict:
     return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": "compile" in parts[1:]}
 
 
-def plain_step_fn(args, num_classes: int) -> Callable[[], None]:
-    """Step 2: the plain PyTorch loop on the same architecture."""
+def plain_step_fn(args, num_classes: int, device: torch.device, model: torch.nn.Module | None = None,
+                  spec: dict | None = None) -> Callable[[], None]:
+    """Step 2: the plain PyTorch loop, on the same architecture (fp32, NCHW, eager) or, for a peer, on its
+    `model` with the settings of `spec` (precision, channels_last, compile)."""
     from largebatch.models import build_model
 
+    spec = spec or {"precision": "fp32", "channels_last": False, "compile": False}
     torch.manual_seed(0)
-    model = build_model(args.model, num_classes, in_channels=3, stem=_stem(args), width=args.width).train()
+    if model is None:
+        model = build_model(args.model, num_classes, in_channels=3, stem=_stem(args), width=args.width)
+    fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
+    model = model.to(device, memory_format=fmt).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    x = torch.randn(args.batch, 3, args.image_size, args.image_size)
-    y = torch.randint(0, num_classes, (args.batch,))
+    forward = torch.compile(model) if spec["compile"] else model
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, num_classes, (args.batch,), device=device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["precision"])
+    scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
 
     def step() -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     return step
+
+
+def peer_model(peer: str, name: str, num_classes: int) -> torch.nn.Module | str:
+    """A peer library's model `name`, or the reason it cannot be had here (a string)."""
+    try:
+        if peer == "timm":
+            import timm
+
+            return timm.create_model(name, num_classes=num_classes, pretrained=False)
+        import torchvision
+
+        return getattr(torchvision.models, name)(num_classes=num_classes)
+    except ImportError as err:
+        return f"{peer} is not installed ({err})"
+    except (AttributeError, RuntimeError) as err:
+        return f"{peer} has no model {name!r} ({err})"
 
 
 def _stem(args) -> str:
     return "small" if args.image_size <= 64 else "imagenet"
 
 
-def largebatch_step_fn(args, spec: dict, run_dir: Path) -> Callable[[], None]:
+def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = torch.device("cpu")
+                       ) -> Callable[[], None]:
     """Step 3: a real Trainer, and a closure running one `_train_step` on its next micro-batches."""
     from largebatch.config import from_dict
     from largebatch.trainer import Trainer
@@ -101,7 +146,7 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path) -> Callable[[], None]:
         "optim": {"name": args.optimizer, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
         "schedule": {"epochs": 1, "warmup_epochs": 0},
         "train": {"precision": spec["precision"], "channels_last": "on" if spec["channels_last"] else "off",
-                  "compile": spec["compile"], "plots": False, "threads": args.threads},
+                  "compile": spec["compile"], "plots": False, "threads": args.threads, "device": device.type},
     }, recipe="bench-train")
     trainer = Trainer(cfg, run_dir, quiet=True)
     phase = trainer.plan.phase_at(0)
@@ -125,18 +170,21 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path) -> Callable[[], None]:
 
 
 def measure(entries: dict[str, Callable[[], None]], batch: int, steps: int, rounds: int,
-            log: Callable[[str], None]) -> dict[str, dict]:
+            log: Callable[[str], None], device: torch.device = torch.device("cpu")) -> dict[str, dict]:
     """Step 4: warm-up, then interleaved rounds; images/s per entry (median round, and every round)."""
     for name, step in entries.items():
         t0 = time.perf_counter()
         step()
+        _sync(device)
         log(f"  warm-up {name}: {time.perf_counter() - t0:.1f} s")
     rates: dict[str, list[float]] = {name: [] for name in entries}
     for r in range(rounds):
         for name, step in entries.items():
+            _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
+            _sync(device)
             rates[name].append(batch * steps / (time.perf_counter() - t0))
         log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()) + " img/s")
     return {name: {"images_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}
@@ -156,9 +204,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
     p.add_argument("--peak-size", type=int, default=2048, help="matrix size of the peak matmul measurement")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
+    p.add_argument("--peers", default="", help=f"comma-separated peer libraries ({', '.join(PEERS)}) whose model of "
+                                               "the same name runs through the plain loop with each configuration")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     p.add_argument("--quiet", action="store_true", help="only the summary")
     args = p.parse_args(argv)
+    peers = [x for x in args.peers.split(",") if x]
+    if set(peers) - set(PEERS):
+        raise UserError(f"--peers has {sorted(set(peers) - set(PEERS))}; choose from {', '.join(PEERS)}.")
     if min(args.batch, args.steps, args.rounds, args.width, args.classes) < 1 or args.image_size < 8 \
             or args.peak_size < 16 or (args.threads is not None and args.threads < 1):
         raise UserError("bench train needs --batch, --steps, --rounds, --width, --classes, --threads >= 1, "
@@ -174,10 +228,15 @@ def main(argv: list[str]) -> int:
 
     from largebatch import dist as dist_mod
 
+    device = dist_mod.pick_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")   # fp32 = TF32 on tensor cores, for every entry alike
+        torch.backends.cudnn.benchmark = True
     threads = dist_mod.set_threads(args.threads, 1)
     # 1. Peaks.
-    peak_fp32 = matmul_peak_gflops(torch.float32, args.peak_size)
-    peak_bf16 = matmul_peak_gflops(torch.bfloat16, args.peak_size)
+    peak_fp32 = matmul_peak_gflops(torch.float32, args.peak_size, device=device)
+    peak_bf16 = matmul_peak_gflops(torch.bfloat16, args.peak_size, device=device)
     peak = max(peak_fp32, peak_bf16)
     log(f"matmul peak ({args.peak_size}^3, {threads} threads): fp32 {peak_fp32:.1f} GFLOP/s, "
         f"bf16 {peak_bf16:.1f} GFLOP/s")
@@ -185,19 +244,31 @@ def main(argv: list[str]) -> int:
                                                   width=args.width), (1, 3, args.image_size, args.image_size))
     # 2.-4. Entries, measured interleaved.
     with tempfile.TemporaryDirectory(prefix="largebatch-bench-train-") as tmp:
-        entries = {"plain": plain_step_fn(args, args.classes)}
+        entries = {"plain": plain_step_fn(args, args.classes, device)}
+        skipped: dict[str, str] = {}
         for name, spec in specs.items():
-            entries[name] = largebatch_step_fn(args, spec, Path(tmp) / name)
-        results = measure(entries, args.batch, args.steps, args.rounds, log)
+            entries[name] = largebatch_step_fn(args, spec, Path(tmp) / name, device)
+            for peer in peers:
+                model = peer_model(peer, args.model, args.classes)
+                if isinstance(model, str):
+                    skipped[peer] = model
+                else:
+                    entries[f"{peer}:{name}"] = plain_step_fn(args, args.classes, device, model, spec)
+        for peer, why in skipped.items():
+            log(f"  peer {peer} skipped: {why}")
+        results = measure(entries, args.batch, args.steps, args.rounds, log, device)
     # 5. Report.
     plain = results.pop("plain")["images_per_s"]
+    peer_results = {n: results.pop(n) for n in list(results) if ":" in n}
+    for r in peer_results.values():
+        r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
     best = max(results, key=lambda n: results[n]["images_per_s"])
     rate = results[best]["images_per_s"]
     for r in results.values():
         r["speedup"] = r["images_per_s"] / plain
         r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
     out = {
-        "machine": MACHINE, "model": args.model, "width": args.width, "image_size": args.image_size,
+        "machine": machine(device), "device": str(device), "model": args.model, "width": args.width, "image_size": args.image_size,
         "batch": args.batch, "threads": threads, "optimizer": args.optimizer,
         "best_config": best, "images_per_s": rate, "plain_images_per_s": plain, "speedup": rate / plain,
         "train_gflops_per_image": flops_per_image / 1e9,
@@ -207,6 +278,11 @@ def main(argv: list[str]) -> int:
         "mfu_bf16_peak": rate * flops_per_image / (peak_bf16 * 1e9),
         "plain_mfu": plain * flops_per_image / (peak * 1e9),
         "configs": results,
+        "peers": peer_results, "peers_skipped": skipped,
+        # the best largebatch step over the faster peer with the same configuration's settings
+        "vs_best_peer": {n: r["images_per_s"] / max(peer_results[f"{p}:{n}"]["images_per_s"] for p in peers
+                                                   if f"{p}:{n}" in peer_results)
+                         for n, r in results.items() if any(f"{p}:{n}" in peer_results for p in peers)},
     }
     print(f"{args.model} @ {args.image_size} px, batch {args.batch}, {threads} threads: plain PyTorch "
           f"{plain:.1f} img/s; " + "; ".join(f"{n} {r['images_per_s']:.1f} img/s ({r['speedup']:.2f}x)"
@@ -214,6 +290,10 @@ def main(argv: list[str]) -> int:
     print(f"best {best}: {rate:.1f} img/s, {rate / plain:.2f}x plain; MFU {out['mfu']:.1%} of the machine's "
           f"{peak:.0f} GFLOP/s matmul peak (fp32 peak {peak_fp32:.0f}: {out['mfu_fp32_peak']:.1%}, "
           f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})")
+    if peer_results:
+        print("peers (plain loop, same settings): " + "; ".join(
+            f"{n} {r['images_per_s']:.1f} img/s" for n, r in peer_results.items()))
+        print("largebatch / faster peer: " + ", ".join(f"{n} {v:.2f}x" for n, v in out["vs_best_peer"].items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

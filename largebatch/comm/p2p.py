@@ -33,6 +33,9 @@ def exchange(send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor
     if not (do_recv or do_send):
         return
     if dist.get_backend(group) == "gloo":                                  # 2. (~3 us lookup)
+        if (do_recv and recv.is_cuda) or (do_send and send.is_cuda):
+            _exchange_staged(send if do_send else None, dst, recv if do_recv else None, src, group)
+            return
         rw = dist.irecv(recv, src, group) if do_recv else None            # 1. receive first
         sw = dist.isend(send, dst, group) if do_send else None
         if rw is not None:                                                # 4.
@@ -47,3 +50,18 @@ def exchange(send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor
         ops.append(dist.P2POp(dist.isend, send, dst, group))
     for work in dist.batch_isend_irecv(ops):                              # 4.
         work.wait()
+
+
+def _exchange_staged(send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor], src: int,
+                     group: Optional[dist.ProcessGroup]) -> None:
+    """Step 2 for CUDA tensors on gloo, whose send/recv take host memory only: through host copies
+    (several processes sharing one GPU, or a gloo group on GPUs; NCCL takes the tensors as they are)."""
+    host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True) if recv is not None else None
+    host_send = send.to("cpu") if send is not None else None
+    rw = dist.irecv(host_recv, src, group) if host_recv is not None else None
+    sw = dist.isend(host_send, dst, group) if host_send is not None else None
+    if rw is not None:
+        rw.wait()
+        recv.copy_(host_recv)
+    if sw is not None:
+        sw.wait()
