@@ -8,7 +8,7 @@ NPROC   ?= 2
 RECIPE  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test bench clean-runs system-deps
+.PHONY: setup train test bench clean-runs system-deps gpu-wheels gpu-check
 
 setup: $(STAMP) system-deps
 
@@ -39,3 +39,15 @@ test: setup
 
 clean-runs:
 	rm -rf runs
+
+# The CUDA check (docs/gpu.md). gpu-wheels, here with network: the wheels the GPU machine's image lacks, for its
+# Python 3.12 (manylinux x86-64), into .whl/. gpu-check, on the GPU machine: scripts/gpu_check.sh.
+WHL     ?= .whl
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(WHL) 'simplejpeg>=1.7'
+	@ls $(WHL)
+
+gpu-check:
+	bash scripts/gpu_check.sh

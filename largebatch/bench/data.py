@@ -46,7 +46,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from largebatch.bench import machine
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
 
@@ -240,9 +240,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", type=Path, default=None, help="keep the generated ImageFolder here (reused if present)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    if args.images < args.batch or args.workers < 0 or args.size < 8 or args.passes < 1 or args.stage_images < 0:
-        raise UserError("bench data needs --images >= --batch, --workers >= 0, --size >= 8, --passes >= 1 "
-                        "and --stage-images >= 0.")
+    check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
+                  ("--images", args.images, args.images >= args.batch, f"at least --batch ({args.batch})"),
+                  ("--workers", args.workers, args.workers >= 0, "0 or more"),
+                  ("--size", args.size, args.size >= 8, "8 or more pixels"),
+                  ("--passes", args.passes, args.passes >= 1, "1 or more"),
+                  ("--stage-images", args.stage_images, args.stage_images >= 0, "0 or more"))
 
     from largebatch.data.imagefolder import ImageFolderSource, scan
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from largebatch.bench import machine
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -213,10 +213,11 @@ def main(argv: list[str]) -> int:
     peers = [x for x in args.peers.split(",") if x]
     if set(peers) - set(PEERS):
         raise UserError(f"--peers has {sorted(set(peers) - set(PEERS))}; choose from {', '.join(PEERS)}.")
-    if min(args.batch, args.steps, args.rounds, args.width, args.classes) < 1 or args.image_size < 8 \
-            or args.peak_size < 16 or (args.threads is not None and args.threads < 1):
-        raise UserError("bench train needs --batch, --steps, --rounds, --width, --classes, --threads >= 1, "
-                        "--image-size >= 8 and --peak-size >= 16.")
+    check_numbers(*((f"--{n}", getattr(args, n), getattr(args, n) >= 1, "1 or more")
+                    for n in ("batch", "steps", "rounds", "width", "classes")),
+                  ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
+                  ("--image-size", args.image_size, args.image_size >= 8, "8 or more pixels"),
+                  ("--peak-size", args.peak_size, args.peak_size >= 16, "16 or more"))
     from largebatch.models import MODELS, build_model, count_flops
 
     if args.model not in MODELS:
