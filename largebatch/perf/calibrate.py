@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -28,14 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from largebatch.launch import free_port
 from largebatch.perf.catalog import clear_cache, user_catalog_path
 from largebatch.perf.flops import model_cost
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, reps: int) -> float:
@@ -104,7 +98,7 @@ def measure(model: str = "resnet18", image_size: int = 28, in_channels: int = 1,
                 threads=threads)
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(nproc, _free_port(), spec, results), nprocs=nproc, join=True)
+    mp.spawn(_worker, args=(nproc, free_port(), spec, results), nprocs=nproc, join=True)
     res = [results[r] for r in range(nproc)]
     manager.shutdown()
 
