@@ -598,7 +598,9 @@ def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.de
         sync_buffers()
     model.eval()
     idx = eval_shard(len(source), info.rank, info.world_size)
-    sums = torch.zeros(4, dtype=torch.float64)   # top-1 correct, top-5 correct, loss sum, count
+    # top-1 correct, top-5 correct, loss sum, count: summed on the device, read once at the end (no host
+    # sync per batch)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     probs = []
     for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
         x = to_model_layout(x, device, channels_last)
@@ -609,8 +611,9 @@ def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.de
                 logits = (logits + model(x.flip(3)).float()) / 2
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hit = top5 == y[:, None]
-        sums += torch.tensor([hit[:, 0].sum().item(), hit.any(1).sum().item(),
-                              F.cross_entropy(logits, y, reduction="sum").item(), y.numel()], dtype=torch.float64)
+        sums += torch.stack([hit[:, 0].sum().double(), hit.any(1).sum().double(),
+                             F.cross_entropy(logits, y, reduction="sum").double(),
+                             torch.tensor(float(y.numel()), dtype=torch.float64, device=device)])
         if return_probs:
             probs.append(logits.softmax(1).cpu())
     if info.distributed:
