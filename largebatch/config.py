@@ -339,6 +339,20 @@ def load(recipe: str = "fashion_mnist", overrides: list[str] | None = None) -> C
     return from_dict(data, recipe=name)
 
 
+# Numeric keys checked by `validate`: > 0, and >= 0.
+POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset",
+            "batch.global_batch", "batch.micro_batch", "batch.accumulation",
+            "optim.lr", "optim.reference_batch", "optim.trust_coefficient",
+            "schedule.epochs", "schedule.gamma", "schedule.power",
+            "train.threads", "train.max_steps", "train.log_every", "train.keep_checkpoints",
+            "comm.bucket_mb", "comm.timeout_s", "comm.pipeline",
+            "ensemble.cycle_epochs", "ensemble.cycle_lr_factor", "ensemble.collapse_wd_factor")
+NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.eps",
+                "schedule.warmup_epochs", "schedule.warmup_start_lr", "schedule.end_lr",
+                "train.seed", "train.eval_every", "train.checkpoint_every", "train.max_nonfinite",
+                "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")
+
+
 def validate(cfg: Config) -> None:
     """Range checks that types alone cannot express. Each names the key and the fix."""
     def positive(where: str, value: float, allow_zero: bool = False) -> None:
@@ -348,49 +362,15 @@ def validate(cfg: Config) -> None:
             bound = "zero or more" if allow_zero else "positive"
             raise UserError(f"{where} is {value}; it must be {bound}.")
 
-    positive("optim.lr", cfg.optim.lr)
-    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
-    positive("optim.reference_batch", cfg.optim.reference_batch)
-    positive("optim.trust_coefficient", cfg.optim.trust_coefficient)
+    for name in POSITIVE + NON_NEGATIVE:   # None means "not set" and passes
+        section, key = name.split(".")
+        positive(name, getattr(getattr(cfg, section), key), allow_zero=name in NON_NEGATIVE)
     if not 0 <= cfg.optim.momentum < 1:
         raise UserError(f"optim.momentum is {cfg.optim.momentum}; it must be in [0, 1).")
-    positive("batch.global_batch", cfg.batch.global_batch)
-    positive("batch.micro_batch", cfg.batch.micro_batch)
-    positive("batch.accumulation", cfg.batch.accumulation)
-    positive("schedule.epochs", cfg.schedule.epochs)
-    positive("schedule.warmup_epochs", cfg.schedule.warmup_epochs, allow_zero=True)
-    positive("schedule.warmup_start_lr", cfg.schedule.warmup_start_lr, allow_zero=True)
-    positive("data.image_size", cfg.data.image_size)
-    positive("train.log_every", cfg.train.log_every)
-    positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
-    positive("comm.bucket_mb", cfg.comm.bucket_mb)
-    positive("comm.timeout_s", cfg.comm.timeout_s)
-    positive("model.width", cfg.model.width)
-    positive("data.crop_padding", cfg.data.crop_padding, allow_zero=True)
-    positive("data.loader_workers", cfg.data.loader_workers, allow_zero=True)
-    positive("data.synthetic_size", cfg.data.synthetic_size)
-    positive("data.train_size", cfg.data.train_size)
-    positive("data.subset", cfg.data.subset)
     if not 0 < cfg.data.min_scale <= 1:
         raise UserError(f"data.min_scale is {cfg.data.min_scale}; it must be in (0, 1].")
     if cfg.data.num_classes < 2:
         raise UserError(f"data.num_classes is {cfg.data.num_classes}; a classifier needs 2 or more classes.")
-    positive("train.seed", cfg.train.seed, allow_zero=True)
-    positive("train.threads", cfg.train.threads)
-    positive("train.max_steps", cfg.train.max_steps)
-    positive("train.eval_every", cfg.train.eval_every, allow_zero=True)
-    positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
-    positive("train.max_nonfinite", cfg.train.max_nonfinite, allow_zero=True)
-    positive("optim.eps", cfg.optim.eps, allow_zero=True)
-    positive("schedule.gamma", cfg.schedule.gamma)
-    positive("schedule.power", cfg.schedule.power)
-    positive("schedule.end_lr", cfg.schedule.end_lr, allow_zero=True)
-    positive("comm.pipeline", cfg.comm.pipeline)
-    positive("ensemble.cycles", cfg.ensemble.cycles, allow_zero=True)
-    for key in ("cycle_epochs", "cycle_lr_factor", "collapse_wd_factor"):
-        positive(f"ensemble.{key}", getattr(cfg.ensemble, key))
-    for key in ("rewarm_epochs", "collapse_epochs"):
-        positive(f"ensemble.{key}", getattr(cfg.ensemble, key), allow_zero=True)
     if not 0 <= cfg.train.label_smoothing < 1:
         raise UserError(f"train.label_smoothing is {cfg.train.label_smoothing}; it must be in [0, 1).")
     if cfg.train.ema is not None and not 0 < cfg.train.ema < 1:
