@@ -55,6 +55,10 @@ SIZES = {
 class Check:
     def __init__(self, out: Path, mode: str):
         self.out, self.mode = out, mode
+        # GPU_CHECK_ONLY=throughput,data runs those steps alone (a device command is limited in time: the
+        # check can be split over two calls; the machine step always runs)
+        self.only = {x for x in os.environ.get("GPU_CHECK_ONLY", "").split(",") if x} | {"machine"} \
+            if os.environ.get("GPU_CHECK_ONLY") else set()
         self.log = open(out / "gpu_check.log", "a")
         self.result: dict = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              "command": f"scripts/gpu_check.sh{' --cpu' if mode == 'cpu' else ''}", "steps": {}}
@@ -73,6 +77,8 @@ class Check:
         return proc
 
     def step(self, name: str, fn) -> None:
+        if self.only and name not in self.only:
+            return
         self.say(f"\n=== {name} ===")
         t0 = time.monotonic()
         try:
