@@ -62,6 +62,9 @@ class DataConfig:
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
     train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
     subset: Optional[int] = _doc(None, "train on a fixed random subset of this many training images (null = all)")
+    val_split: Optional[int] = _doc(None, "hold out this many training images as a validation set (a fixed seeded "
+                                          "choice, the same for every train.seed); evaluation then runs on it, "
+                                          "never on the test set; null = off")
     resolution_phases: list = _doc([], "progressive resizing: list of {start_epoch, image_size}; training batches are "
                                        "resized (antialiased) to image_size from start_epoch on, evaluation stays at "
                                        "the data's own size; empty means no resizing")
@@ -340,7 +343,7 @@ def load(recipe: str = "fashion_mnist", overrides: list[str] | None = None) -> C
 
 
 # Numeric keys checked by `validate`: > 0, and >= 0.
-POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset",
+POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset", "data.val_split",
             "batch.global_batch", "batch.micro_batch", "batch.accumulation",
             "optim.lr", "optim.reference_batch", "optim.trust_coefficient",
             "schedule.epochs", "schedule.gamma", "schedule.power",

@@ -71,6 +71,7 @@ def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
 def _train_size(cfg: config_mod.Config) -> int:
     known = getattr(cfg.data, "train_size", None)
     if known:
+        known -= cfg.data.val_split or 0
         return min(known, cfg.data.subset or known)
     from largebatch.data import build_data
 

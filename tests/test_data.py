@@ -166,3 +166,45 @@ def test_bad_options_are_user_errors():
         build_data(replace(DataConfig(), crop_padding=-1), seed=0)
     with pytest.raises(UserError, match="min_scale"):
         build_data(replace(DataConfig(), min_scale=0.0), seed=0)
+
+
+def _pixels_and_labels(source, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*source.batches([torch.arange(n)], train=False, epoch=0))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def test_validation_split_is_disjoint_exact_and_the_same_for_every_seed():
+    cfg = DataConfig(dataset="synthetic", synthetic_size=300, image_size=8, num_classes=4, val_split=50)
+    full, _, _ = build_data(replace(cfg, val_split=None), seed=0)
+    parts = {}
+    for seed in (0, 1):
+        train, val, info = build_data(cfg, seed=seed)
+        assert (len(train), len(val), info.train_size, info.test_size) == (250, 50, 250, 50)
+        assert info.name.endswith("+val50")
+        assert not set(train.keep.tolist()) & set(val.keep.tolist())                  # disjoint
+        assert sorted(train.keep.tolist() + val.keep.tolist()) == list(range(300))    # together: all of them
+        parts[seed] = (train.keep.clone(), val.keep.clone())
+    assert torch.equal(parts[0][1], parts[1][1]) and torch.equal(parts[0][0], parts[1][0])   # fixed split
+    train, val, _ = build_data(cfg, seed=0)
+    x_val, y_val = _pixels_and_labels(val, 50)
+    x_full, y_full = _pixels_and_labels(full, 300)
+    assert torch.equal(x_val, x_full[val.keep]) and torch.equal(y_val, y_full[val.keep])   # the held-out images
+    sub = build_data(replace(cfg, subset=100), seed=0)[0]                 # data.subset draws from the rest only
+    assert len(sub) == 100 and set(train.keep[sub.keep].tolist()) <= set(train.keep.tolist())
+    for bad in (0, 300):
+        with pytest.raises(UserError, match="data.val_split"):
+            build_data(replace(cfg, val_split=bad), seed=0)
+
+
+def test_a_run_with_a_validation_split_evaluates_on_it(tmp_path, one_thread):
+    from largebatch.config import from_dict
+    from largebatch.trainer import Trainer
+
+    cfg = from_dict({"model": {"width": 4}, "data": {"dataset": "synthetic", "synthetic_size": 160, "image_size": 8,
+                                                     "val_split": 32},
+                     "batch": {"global_batch": 32}, "schedule": {"epochs": 1, "warmup_epochs": 0},
+                     "train": {"plots": False}})
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    summary = trainer.fit()
+    assert summary["steps"] == 4                       # 128 training images / 32
+    assert trainer.last_eval["count"] == 32            # every evaluation on the 32 held-out images

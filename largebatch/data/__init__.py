@@ -97,13 +97,12 @@ def _build_synthetic(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
                                     len(train), len(test), "synthetic")
 
 
-class SubsetSource:
-    """A fixed random subset of a source (data.subset): index i maps to `keep[i]` of the full source."""
+class IndexedSource:
+    """The images `keep` of a source, renumbered 0..len(keep)-1 (data.subset, data.val_split)."""
 
-    def __init__(self, source: Source, size: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(int(seed) + 7919)
+    def __init__(self, source: Source, keep: torch.Tensor) -> None:
         self.source = source
-        self.keep = torch.randperm(len(source), generator=gen, dtype=torch.int64)[:size].sort().values
+        self.keep = keep.sort().values
         self.corrupt = source.corrupt
 
     def __len__(self) -> int:
@@ -114,17 +113,41 @@ class SubsetSource:
         mapped = (self.keep[torch.as_tensor(i, dtype=torch.int64)] for i in index_batches)
         return self.source.batches(mapped, train=train, epoch=epoch)
 
+    def close(self) -> None:
+        if hasattr(self.source, "close"):
+            self.source.close()
+
+
+def _fixed_permutation(n: int, salt: int) -> torch.Tensor:
+    """A permutation of 0..n-1 that depends on `salt` alone: the same for every train.seed."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(salt), dtype=torch.int64)
+
 
 def build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
-    """(train, test, info) for the `data` section of the config (data.subset wraps the training source)."""
+    """(train, test, info) for the `data` section of the config.
+
+    data.val_split holds out that many training images (fixed, the same for every seed) and returns them in
+    the place of the test set, so every evaluation of a tuning run is on the validation split; data.subset
+    then takes a fixed subset of the remaining training images.
+    """
     subset = getattr(cfg, "subset", None)
+    val_split = getattr(cfg, "val_split", None)
     train, test, info = _build_data(cfg, seed)
+    if val_split is not None:
+        if not 0 < val_split < len(train):
+            raise UserError(f"data.val_split is {val_split}; give a number of images in 1..{len(train) - 1} "
+                            "(some must stay for training) or null.")
+        order = _fixed_permutation(len(train), 104729)
+        base = train
+        test = IndexedSource(base, order[:val_split])
+        train = IndexedSource(base, order[val_split:])
     if subset is not None:
         if not 0 < subset <= len(train):
             raise UserError(f"data.subset is {subset}; give a number of images in 1..{len(train)} or null.")
-        train = SubsetSource(train, subset, 0)   # the same images whatever train.seed
+        train = IndexedSource(train, _fixed_permutation(len(train), 7919)[:subset])   # the same whatever train.seed
+    if val_split is not None or subset is not None:
         info = DatasetInfo(info.num_classes, info.in_channels, info.image_size, info.mean, info.std, len(train),
-                           info.test_size, info.name)
+                           len(test), info.name + (f"+val{val_split}" if val_split else ""))
     return train, test, info
 
 
