@@ -126,6 +126,8 @@ class TrainConfig:
     plots: bool = _doc(True, "write PNG plots of the metrics at the end")
     max_nonfinite: int = _doc(20, "abort after this many consecutive steps with non-finite loss or gradients")
     deterministic: bool = _doc(False, "deterministic kernels (bitwise resume on CPU is the default anyway)")
+    noise_scale: bool = _doc(False, "log the gradient noise scale B_simple (McCandlish et al.) on logging steps; "
+                                    "needs 2+ workers; those steps average gradients with a plain all-reduce")
 
 
 @dataclass

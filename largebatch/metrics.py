@@ -96,7 +96,7 @@ def summary_table(summary: dict) -> Table:
 
 
 def plot(records: list[dict], out_dir: Path) -> list[Path]:
-    """PNGs of loss, top-1, lr and batch size against steps."""
+    """PNGs of loss, top-1, lr, batch size and (when measured) the gradient noise scale against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,6 +110,7 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
         "top1": (evals, "top1", "test top-1"),
         "lr": (train, "lr", "learning rate"),
         "batch": (train, "global_batch", "global batch"),
+        "noise_scale": (train, "noise_scale", "gradient noise scale B_simple (images)"),
     }
     paths = []
     for name, (rows, key, label) in series.items():

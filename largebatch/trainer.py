@@ -188,6 +188,17 @@ class Trainer:
 
         # 8. precision
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
+        # gradient noise scale on logging steps (largebatch/noise_scale.py)
+        self.noise = None
+        if t.noise_scale:
+            if self.info.distributed:
+                from largebatch.noise_scale import NoiseScale
+
+                self.noise = NoiseScale()
+            elif self.main:
+                print("largebatch: warning: train.noise_scale needs 2 or more workers (it compares each worker's "
+                      "gradient with the all-reduced one); not measured in this run.", file=sys.stderr)
+        self._noise_rec: dict = {}
 
         # 9. state that checkpoints carry
         self.step = 0
@@ -248,6 +259,7 @@ class Trainer:
             "optimizer_name": self.cfg.optim.name,
             # the comm hook's fields, without its process group (plain data: loads with weights_only)
             "comm": self.comm_state.__getstate__() if self.comm_state is not None else {},
+            "noise_scale": self.noise.state_dict() if self.noise is not None else {},
         }
 
     def save_checkpoint(self) -> None:
@@ -285,6 +297,8 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = state["step"]
+        if self.noise is not None and state.get("noise_scale"):
+            self.noise.load_state_dict(state["noise_scale"])
         self._saved_step = self.step   # that checkpoint exists: a stop right away does not rewrite it
         prog = state["progress"]
         self.best_top1 = prog["best_top1"]
@@ -342,9 +356,11 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
+        # a logging step with train.noise_scale: no DDP all-reduce; allreduce_with_norms below does it
+        measure = self.noise is not None and (self.step + 1) % t.log_every == 0
         for i, (x, y) in enumerate(micros):
             x, y = self._to_device(x, y, size)
-            last = i == len(micros) - 1
+            last = i == len(micros) - 1 and not measure
             sync = contextlib.nullcontext() if (last or not self.info.distributed) else self.ddp.no_sync()
             with sync:
                 with autocast(self.device, t.precision):
@@ -355,6 +371,13 @@ class Trainer:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
+        if measure:
+            from largebatch.noise_scale import allreduce_with_norms
+
+            small_sq, big_sq = allreduce_with_norms(
+                [p.grad for p in self.model.parameters() if p.grad is not None], self.info.world_size,
+                scale=self.scaler.get_scale() if self.scaler.is_enabled() else 1.0)
+            self._noise_rec = self.noise.update(small_sq, big_sq, phase.per_worker_batch, phase.global_batch)
         self.scaler.unscale_(self.optimizer)   # LARS and all norms see unscaled fp32 gradients
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # Gradients are already all-reduced, so every rank reaches the same verdict with no extra
@@ -468,7 +491,8 @@ class Trainer:
                                "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
                                "images_per_s": (self.images_seen - last_log_images) / max(now - last_log_t, 1e-9),
                                "data_wait_s": data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
-                               "time": self.wall_before + self._session_wall()}
+                               "time": self.wall_before + self._session_wall(), **self._noise_rec}
+                        self._noise_rec = {}
                         self.metrics.write(rec)
                         self.display.update(rec)
                         loss_acc.zero_()
