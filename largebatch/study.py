@@ -11,14 +11,24 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
 3. Run the cells one after another, each a `largebatch train` of its own (its own torchrun world,
    run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
    checkpoints resumes from them: an interrupted study continues where it stopped.
-4. After every cell write OUT/study.json (all cells), OUT/study.md (top-1 mean and spread per
-   batch x optimizer, and the final training loss) and OUT/study.png (top-1 vs global batch).
+4. After every cell write OUT/study.json (all cells, each with its exact `largebatch train` command),
+   OUT/study.md (top-1 mean and spread per batch x optimizer (x lr), and the final training loss) and
+   OUT/study.png (top-1 vs global batch, error bars over seeds, the ImageNet-equivalent batch on top).
+
+Tuning without the test set, in two studies:
+- tuning: `--lr-grid OPT:V1,V2,...` (per optimizer, repeatable) adds an lr axis to the cells and
+  `--val-split N` holds N training images out (data.val_split); every cell is then evaluated on them.
+  The table marks, per batch x optimizer, the lr with the best mean validation top-1.
+- final: `--from-tuning TUNING_OUT` takes each batch x optimizer's chosen lr from that study's
+  study.json (which must have used --val-split) and trains every seed on the full training set,
+  reporting test top-1.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -52,8 +62,62 @@ def parser() -> ArgumentParser:
                    help="override a recipe key in every cell (repeatable)")
     p.add_argument("--opt-set", action="append", default=[], metavar="OPT:SECTION.KEY=VALUE",
                    help="override a key for one optimizer's cells, e.g. lars:optim.lr=4")
+    p.add_argument("--lr-grid", action="append", default=[], metavar="OPT:LR,LR,...",
+                   help="tune: the optim.lr values to try for one optimizer (repeatable), e.g. lars:1,2,4")
+    p.add_argument("--val-split", type=int, default=None,
+                   help="tune: hold out this many training images and evaluate every cell on them (data.val_split)")
+    p.add_argument("--from-tuning", type=Path, default=None,
+                   help="final: each batch x optimizer's lr chosen by the tuning study in this directory")
     p.add_argument("--dry-run", action="store_true", help="check and list the cells, train nothing")
     return p
+
+
+def lr_grid(items: list[str], optimizers: list[str]) -> dict[str, list[float]]:
+    """--lr-grid OPT:V1,V2 items -> {optimizer: [lr, ...]}."""
+    grid: dict[str, list[float]] = {}
+    for item in items:
+        name, _, values = item.partition(":")
+        if name not in optimizers:
+            raise UserError(f"--lr-grid {item!r}: {name!r} is not one of --optimizers ({', '.join(optimizers)}).")
+        lrs = _parse_list(values, "lr-grid", float)
+        if any(not math.isfinite(v) or v <= 0 for v in lrs):
+            raise UserError(f"--lr-grid {item!r}: every lr must be a positive number.")
+        grid[name] = lrs
+    return grid
+
+
+def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
+    """Each (batch, optimizer)'s lr with the best mean validation top-1 in a tuning study's study.json."""
+    if not tuning_json.is_file():
+        raise UserError(f"--from-tuning: {tuning_json} does not exist; give the --out of a finished tuning study.")
+    data = json.loads(tuning_json.read_text())
+    if not data.get("val_split"):
+        raise UserError(f"--from-tuning: {tuning_json} was not run with --val-split, so its choices saw the test "
+                        "set; tune with --val-split N first.")
+    best: dict[tuple[int, str], tuple[float, float | None]] = {}
+    for row in data["table"].values():
+        key = (row["batch"], row["optimizer"])
+        if key not in best or row["top1_mean"] > best[key][0]:
+            best[key] = (row["top1_mean"], row.get("lr"))
+    return {k: v[1] for k, v in best.items()}
+
+
+def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict[str, list[float]],
+               chosen: dict[tuple[int, str], float | None] | None = None) -> list[tuple[int, str, float | None, int]]:
+    """Step 1: (batch, optimizer, lr or None for the optimizer's setting, seed), seeds outermost so that a
+    stopped study has whole seeds done; the lr comes from the grid, or from a tuning study's choice."""
+    cells = []
+    for s in range(seeds):
+        for b in batches:
+            for o in optimizers:
+                if chosen is not None:
+                    if (b, o) not in chosen:
+                        raise UserError(f"--from-tuning has no choice for {o} at batch {b}; tune that cell too.")
+                    lrs = [chosen[(b, o)]]
+                else:
+                    lrs = grid.get(o) or [None]
+                cells += [(b, o, lr, s) for lr in lrs]
+    return cells
 
 
 def _parse_list(text: str, what: str, cast) -> list:
@@ -70,7 +134,7 @@ def _yaml_value(v: object) -> str:
     return "null" if v is None else json.dumps(v) if not isinstance(v, str) else v
 
 
-def cell_overrides(args, batch: int, opt: str, seed: int) -> list[str]:
+def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = None) -> list[str]:
     """Step 1: the --set list of one cell."""
     settings = dict(OPTIMIZER_SETTINGS[opt])
     for item in args.opt_set:
@@ -86,11 +150,15 @@ def cell_overrides(args, batch: int, opt: str, seed: int) -> list[str]:
              "batch.accumulation=null", f"train.seed={seed}", "train.plots=false", "train.eval_every=0"]
     if args.epochs is not None:
         sets.append(f"schedule.epochs={args.epochs}")
+    if lr is not None:
+        sets.append(f"optim.lr={lr:g}")
+    if getattr(args, "val_split", None):
+        sets.append(f"data.val_split={args.val_split}")
     return list(args.overrides) + sets
 
 
-def _cell_dir(out: Path, batch: int, opt: str, seed: int) -> Path:
-    return out / "runs" / f"{opt}-b{batch}-s{seed}"
+def _cell_dir(out: Path, batch: int, opt: str, seed: int, lr: float | None = None) -> Path:
+    return out / "runs" / (f"{opt}-b{batch}-s{seed}" if lr is None else f"{opt}-b{batch}-lr{lr:g}-s{seed}")
 
 
 def _final_train_loss(run_dir: Path) -> float | None:
@@ -109,40 +177,58 @@ def _final_train_loss(run_dir: Path) -> float | None:
 
 
 def summarise(cells: list[dict]) -> dict:
-    """Mean and spread (sample std; 0 for one seed) of top-1 and final train loss per (batch, optimizer)."""
-    groups: dict[tuple[int, str], list[dict]] = {}
+    """Mean and spread (sample std; 0 for one seed) of top-1 and final train loss per (batch, optimizer, lr);
+    with an lr axis, `chosen` marks each (batch, optimizer)'s lr of the best mean top-1."""
+    groups: dict[tuple[int, str, float | None], list[dict]] = {}
     for c in cells:
         if c.get("top1") is not None:
-            groups.setdefault((c["batch"], c["optimizer"]), []).append(c)
+            groups.setdefault((c["batch"], c["optimizer"], c.get("lr")), []).append(c)
     table = {}
-    for (b, o), cs in sorted(groups.items()):
+    for (b, o, lr), cs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0.0)):
         top1 = [c["top1"] for c in cs]
         losses = [c["train_loss"] for c in cs if c.get("train_loss") is not None]
         mean = sum(top1) / len(top1)
         std = math.sqrt(sum((t - mean) ** 2 for t in top1) / (len(top1) - 1)) if len(top1) > 1 else 0.0
-        table[f"{o}@{b}"] = {"batch": b, "optimizer": o, "top1_mean": mean, "top1_std": std, "seeds": len(top1),
-                             "train_loss_mean": sum(losses) / len(losses) if losses else None}
+        key = f"{o}@{b}" if lr is None else f"{o}@{b}/lr{lr:g}"
+        table[key] = {"batch": b, "optimizer": o, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(top1),
+                      "train_loss_mean": sum(losses) / len(losses) if losses else None}
+    best: dict[tuple[int, str], str] = {}
+    for key, row in table.items():
+        k = (row["batch"], row["optimizer"])
+        if k not in best or row["top1_mean"] > table[best[k]]["top1_mean"]:
+            best[k] = key
+    for key, row in table.items():
+        row["chosen"] = best[(row["batch"], row["optimizer"])] == key
     return table
 
 
-def markdown(table: dict, batches: list[int], optimizers: list[str]) -> str:
-    head = "| global batch | " + " | ".join(f"{o} top-1 (%) | {o} train loss" for o in optimizers) + " |"
-    sep = "|---:|" + "---:|---:|" * len(optimizers)
+def markdown(table: dict, batches: list[int], optimizers: list[str], split: str = "test") -> str:
+    """One row per global batch; per optimizer the chosen lr's top-1 (mean ± std over seeds) and train loss."""
+    head = "| global batch | " + " | ".join(f"{o} {split} top-1 (%) | {o} lr | {o} train loss"
+                                            for o in optimizers) + " |"
+    sep = "|---:|" + "---:|---:|---:|" * len(optimizers)
     rows = [head, sep]
     for b in batches:
         cols = []
         for o in optimizers:
-            c = table.get(f"{o}@{b}")
+            c = next((r for r in table.values() if r["batch"] == b and r["optimizer"] == o and r["chosen"]), None)
             if c is None:
-                cols += ["(not run)", ""]
+                cols += ["(not run)", "", ""]
             else:
+                tried = sum(1 for r in table.values() if r["batch"] == b and r["optimizer"] == o)
                 cols.append(f"{100 * c['top1_mean']:.2f} ± {100 * c['top1_std']:.2f} (n={c['seeds']})")
+                cols.append("setting" if c["lr"] is None else f"{c['lr']:g}" + (f" (best of {tried})" if tried > 1 else ""))
                 cols.append(f"{c['train_loss_mean']:.3f}" if c["train_loss_mean"] is not None else "")
         rows.append(f"| {b} | " + " | ".join(cols) + " |")
     return "\n".join(rows) + "\n"
 
 
-def plot(table: dict, optimizers: list[str], path: Path) -> None:
+IMAGENET_IMAGES = 1_281_167
+
+
+def plot(table: dict, optimizers: list[str], path: Path, train_size: int | None = None, split: str = "test") -> None:
+    """Top-1 (chosen lr per cell) against the global batch on a log2 axis, error bars over seeds; with
+    `train_size`, the ImageNet batch with the same steps per epoch on a second axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,13 +236,18 @@ def plot(table: dict, optimizers: list[str], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for o in optimizers:
-        pts = sorted((c["batch"], c["top1_mean"], c["top1_std"]) for c in table.values() if c["optimizer"] == o)
+        pts = sorted((c["batch"], c["top1_mean"], c["top1_std"]) for c in table.values()
+                     if c["optimizer"] == o and c.get("chosen", True))
         if pts:
             xs, ys, es = zip(*pts)
             ax.errorbar(xs, [100 * y for y in ys], yerr=[100 * e for e in es], marker="o", capsize=3, label=o)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch (images)")
-    ax.set_ylabel("test top-1 (%)")
+    ax.set_ylabel(f"{split} top-1 (%)")
+    if train_size:
+        scale = IMAGENET_IMAGES / train_size
+        top = ax.secondary_xaxis("top", functions=(lambda b: b * scale, lambda b: b / scale))
+        top.set_xlabel("ImageNet-equivalent batch (same steps per epoch)")
     ax.set_title("top-1 vs global batch at equal epochs")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -165,29 +256,34 @@ def plot(table: dict, optimizers: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def _check_cells(args, batches, optimizers) -> None:
-    """Step 2: every cell's plan resolves (divisibility, batch vs dataset size) before anything trains."""
+def _check_cells(args, batches, optimizers) -> int:
+    """Step 2: every cell's plan resolves (divisibility, batch vs dataset size) before anything trains; the
+    training images per cell."""
     from largebatch import config as config_mod
     from largebatch.train_cli import _train_size, dry_run
 
     base = config_mod.load(args.recipe, cell_overrides(args, batches[0], optimizers[0], 0))
     size = _train_size(base)
+    whole = size + (args.val_split or 0)   # data.train_size counts the images before the split
     for b in batches:
         for o in optimizers:
-            cfg = config_mod.load(args.recipe, cell_overrides(args, b, o, 0) + [f"data.train_size={size}"])
+            cfg = config_mod.load(args.recipe, cell_overrides(args, b, o, 0) + [f"data.train_size={whole}"])
             dry_run(cfg, args.nproc_per_node)
+    return size
 
 
 def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], optimizers: list[str]) -> dict:
     """Step 4."""
     table = summarise(cells)
     batches = sorted(batches)
+    split = "validation" if meta.get("val_split") else "test"
     (out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
     md = (f"Command: `{meta['command']}`\n\nEpochs per cell: {meta['epochs']}, seeds: {meta['seeds']}, "
-          f"workers per cell: {meta['nproc_per_node']}\n\n" + markdown(table, batches, optimizers))
+          f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, machine: "
+          f"{meta.get('machine', '')}\n\n" + markdown(table, batches, optimizers, split))
     (out / "study.md").write_text(md)
     if table:
-        plot(table, optimizers, out / "study.png")
+        plot(table, optimizers, out / "study.png", meta.get("train_size"), split)
     return table
 
 
@@ -202,35 +298,48 @@ def main(argv: list[str]) -> int:
         ("--seeds", args.seeds), ("--nproc-per-node", args.nproc_per_node), ("--micro-batch", args.micro_batch))))
     if args.epochs is not None and args.epochs <= 0:
         raise UserError(f"--epochs is {args.epochs}; give a positive number of epochs.")
-    _check_cells(args, batches, optimizers)
+    grid = lr_grid(args.lr_grid, optimizers)
+    if args.val_split is not None and args.val_split < 1:
+        raise UserError(f"--val-split is {args.val_split}; give a number of held-out training images.")
+    if args.from_tuning is not None and (grid or args.val_split):
+        raise UserError("--from-tuning runs the chosen settings on the test set; leave out --lr-grid and --val-split.")
+    chosen = chosen_lrs(args.from_tuning / "study.json") if args.from_tuning is not None else None
+    plan = plan_cells(batches, optimizers, args.seeds, grid, chosen)
+    train_size = _check_cells(args, batches, optimizers)
 
     from rich.console import Console
 
     console = Console(stderr=True)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
-                "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set}
+                "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
+                "lr_grid": args.lr_grid, "val_split": args.val_split,
+                "from_tuning": str(args.from_tuning) if args.from_tuning else None}
     stored = args.out / "study_settings.json"
     if stored.exists() and json.loads(stored.read_text()) != settings:
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node, or use another --out.")
     stored.write_text(json.dumps(settings, indent=2))
-    meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,
-            "batches": batches, "optimizers": optimizers}
+    from largebatch.bench import machine
+    import torch
 
-    plan = [(b, o, s) for s in range(args.seeds) for b in batches for o in optimizers]   # in the order given
+    meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,
+            "batches": batches, "optimizers": optimizers, "train_size": train_size,
+            "machine": machine(torch.device("cpu"))}
+
     cells: list[dict] = []
-    for i, (b, o, s) in enumerate(plan):
-        run_dir = _cell_dir(args.out, b, o, s)
+    for i, (b, o, lr, s) in enumerate(plan):
+        run_dir = _cell_dir(args.out, b, o, s, lr)
         summary_path = run_dir / "summary.json"
         if not summary_path.exists():
             resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
             left = len(plan) - i
-            console.print(f"[bold]study[/] cell {i + 1}/{len(plan)}: {o} batch {b} seed {s}"
+            console.print(f"[bold]study[/] cell {i + 1}/{len(plan)}: {o} batch {b}"
+                          f"{'' if lr is None else f' lr {lr:g}'} seed {s}"
                           f"{' (resuming)' if resume else ''}; {left - 1} cells left after this one")
             cmd = [sys.executable, "-m", "largebatch", "train", args.recipe, "--nproc-per-node",
                    str(args.nproc_per_node), "--run-dir", str(run_dir), "--quiet"]
-            cmd += [x for kv in cell_overrides(args, b, o, s) for x in ("--set", kv)]
+            cmd += [x for kv in cell_overrides(args, b, o, s, lr) for x in ("--set", kv)]
             if resume:
                 cmd.append("--resume")
             if not args.dry_run:
@@ -243,7 +352,10 @@ def main(argv: list[str]) -> int:
                                   f"see {run_dir / 'train.log'}[/]")
                 else:
                     console.print(f"study: {o} batch {b} seed {s} done in {time.perf_counter() - t0:.0f} s")
-        cell = {"batch": b, "optimizer": o, "seed": s, "run_dir": str(run_dir), "top1": None}
+        cmd = ["largebatch", "train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir",
+               str(run_dir), *[x for kv in cell_overrides(args, b, o, s, lr) for x in ("--set", kv)]]
+        cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s, "run_dir": str(run_dir), "top1": None,
+                "command": " ".join(shlex.quote(c) for c in cmd)}
         if summary_path.exists():
             summ = json.loads(summary_path.read_text())
             cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],

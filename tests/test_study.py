@@ -1,0 +1,97 @@
+"""`largebatch study batch-scaling`: the cell plan (lr grid x seeds, or a tuning study's choices), the
+summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from largebatch import study
+from largebatch.errors import UserError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_plan_expands_the_lr_grid_and_seeds():
+    grid = study.lr_grid(["lars:1,2,4"], ["sgd", "lars"])
+    assert grid == {"lars": [1.0, 2.0, 4.0]}
+    cells = study.plan_cells([64, 384], ["sgd", "lars"], 2, grid)
+    assert len(cells) == 2 * 2 * (1 + 3)
+    assert cells[:4] == [(64, "sgd", None, 0), (64, "lars", 1.0, 0), (64, "lars", 2.0, 0), (64, "lars", 4.0, 0)]
+    assert {c[3] for c in cells[:8]} == {0}            # seeds outermost: a stopped study has whole seeds done
+    chosen = study.plan_cells([64], ["lars"], 3, {}, chosen={(64, "lars"): 2.0})
+    assert chosen == [(64, "lars", 2.0, s) for s in range(3)]
+    with pytest.raises(UserError, match="no choice for sgd at batch 64"):
+        study.plan_cells([64], ["sgd"], 1, {}, chosen={(64, "lars"): 2.0})
+    with pytest.raises(UserError, match="not one of --optimizers"):
+        study.lr_grid(["lamb:1"], ["sgd"])
+    with pytest.raises(UserError, match="positive"):
+        study.lr_grid(["sgd:0.1,-1"], ["sgd"])
+
+
+def test_cell_overrides_and_directories():
+    args = SimpleNamespace(opt_set=[], micro_batch=512, epochs=24, overrides=["model.width=8"], val_split=10000)
+    sets = study.cell_overrides(args, 384, "lars", 1, lr=4.0)
+    assert sets[0] == "model.width=8" and "optim.lr=4" in sets and "data.val_split=10000" in sets
+    assert "batch.global_batch=384" in sets and "train.seed=1" in sets and "schedule.epochs=24" in sets
+    assert study._cell_dir(study.Path("o"), 384, "lars", 1, 4.0).name == "lars-b384-lr4-s1"
+    assert study._cell_dir(study.Path("o"), 384, "lars", 1).name == "lars-b384-s1"   # without a grid: as before
+
+
+def _cells():
+    rows = []
+    for lr, accs in ((1.0, [0.80, 0.82]), (2.0, [0.85, 0.87]), (4.0, [0.70, 0.60])):
+        rows += [{"batch": 384, "optimizer": "lars", "lr": lr, "seed": s, "top1": a, "train_loss": 0.5}
+                 for s, a in enumerate(accs)]
+    rows.append({"batch": 64, "optimizer": "lars", "lr": 1.0, "seed": 0, "top1": None})   # not run yet
+    return rows
+
+
+def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
+    table = study.summarise(_cells())
+    assert set(table) == {"lars@384/lr1", "lars@384/lr2", "lars@384/lr4"}
+    best = table["lars@384/lr2"]
+    assert best["chosen"] and not table["lars@384/lr1"]["chosen"]
+    assert best["top1_mean"] == pytest.approx(0.86) and best["top1_std"] == pytest.approx(0.01414, rel=1e-3)
+    md = study.markdown(table, [64, 384], ["lars"], "validation")
+    assert "lars validation top-1" in md and "| 384 | 86.00 ± 1.41 (n=2) | 2 (best of 3) |" in md
+    assert "| 64 | (not run)" in md
+    png = tmp_path / "s.png"
+    study.plot(table, ["lars"], png, train_size=50000, split="validation")
+    assert png.stat().st_size > 1000
+    tuning = tmp_path / "study.json"
+    tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
+    assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}
+    tuning.write_text(json.dumps({"val_split": None, "table": table}))
+    with pytest.raises(UserError, match="was not run with --val-split"):
+        study.chosen_lrs(tuning)
+
+
+def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_path):
+    common = ["--batches", "32", "--optimizers", "sgd", "--nproc-per-node", "1", "--epochs", "1",
+              "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=160", "--set", "data.image_size=8",
+              "--set", "model.width=4", "--set", "schedule.warmup_epochs=0"]
+    tune = tmp_path / "tune"
+    cli("study", "batch-scaling", *common, "--lr-grid", "sgd:0.05,0.4", "--val-split", "32", "--out", tune,
+        check=True)
+    first = json.loads((tune / "study.json").read_text())
+    assert [c["lr"] for c in first["cells"]] == [0.05, 0.4] and all(c["top1"] is not None for c in first["cells"])
+    assert all("data.val_split=32" in c["command"] for c in first["cells"])
+    # interrupt the second cell after the fact: its summary gone, its checkpoints kept
+    kept = tune / "runs" / "sgd-b32-lr0.05-s0" / "summary.json"
+    stamp = kept.stat().st_mtime_ns
+    (tune / "runs" / "sgd-b32-lr0.4-s0" / "summary.json").unlink()
+    again = cli("study", "batch-scaling", *common, "--lr-grid", "sgd:0.05,0.4", "--val-split", "32", "--out", tune,
+                check=True)
+    assert "(resuming)" in again.stderr and kept.stat().st_mtime_ns == stamp   # the finished cell is reused
+    resumed = json.loads((tune / "study.json").read_text())
+    assert all(c["top1"] is not None for c in resumed["cells"])
+    # other settings in the same directory are refused
+    other = cli("study", "batch-scaling", *common, "--out", tune)
+    assert other.returncode == 2 and "holds a study with other settings" in other.stderr
+    # the final study: the chosen lr, on the test set
+    final = tmp_path / "final"
+    cli("study", "batch-scaling", *common, "--from-tuning", tune, "--out", final, check=True)
+    chosen = study.chosen_lrs(tune / "study.json")[(32, "sgd")]
+    (cell,) = json.loads((final / "study.json").read_text())["cells"]
+    assert cell["lr"] == chosen and "val_split" not in cell["command"]
+    assert "test top-1" in (final / "study.md").read_text()
