@@ -1,8 +1,9 @@
 """`largebatch` command line: a thin dispatcher.
 
-Each command lives in its own module with `main(argv: list[str]) -> int`, which
-parses its own arguments. Only the chosen module is imported, so `largebatch plan`
-does not pay for importing the trainer, and each command owns its flags.
+Each command lives in its own module with `main(argv: list[str]) -> int` (or a named
+function, "module:function"), which parses its own arguments. Only the chosen module is
+imported, so `largebatch plan` does not pay for importing the trainer, and each command
+owns its flags.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench scaling": ("largebatch.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
     "cluster run": ("largebatch.cluster", "run a command on real separate hosts made of network namespaces"),
     "study batch-scaling": ("largebatch.study", "top-1 against global batch per optimizer"),
+    "study batch-control": ("largebatch.study_variants:main_batch_control",
+                            "batch-size control against a fixed large batch at equal epochs"),
+    "study ensemble": ("largebatch.study_variants:main_ensemble",
+                       "the Collapsed Ensemble against one model at equal epochs"),
     "data pack": ("largebatch.data.shards", "pack an ImageFolder into sequential tar shards"),
     "chaos": ("largebatch.chaos", "kill workers at random during a run and check it survives"),
 }
@@ -75,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(module_name: str, rest: list[str]) -> int:
     try:
+        module_name, _, function = module_name.partition(":")   # "module" or "module:function"
         module = importlib.import_module(module_name)
-        return int(module.main(rest) or 0)
+        return int(getattr(module, function or "main")(rest) or 0)
     except UserError as err:
         return report(err)
     except OSError as err:   # a path the user gave: unreadable, read-only, full disk, a file for a directory

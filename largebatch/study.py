@@ -287,6 +287,38 @@ def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], 
     return table
 
 
+def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, console) -> dict:
+    """Step 3 for one cell: train it unless its summary exists (resume it if it holds a run), then its record:
+    the exact command, and from its summary top-1/top-5, losses, steps, wall time (and ensemble figures)."""
+    summary_path = run_dir / "summary.json"
+    argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
+            *[x for kv in sets for x in ("--set", kv)]]
+    if not summary_path.exists():
+        resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
+        console.print(f"[bold]study[/] cell {position}: {label}{' (resuming)' if resume else ''}")
+        if not args.dry_run:
+            t0 = time.perf_counter()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
+            with open(run_dir / "train.log", "a") as log:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+            if proc.returncode != 0:
+                console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
+            else:
+                console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
+    cell = {"run_dir": str(run_dir), "top1": None,
+            "command": " ".join(shlex.quote(c) for c in ["largebatch", *argv])}
+    if summary_path.exists():
+        summ = json.loads(summary_path.read_text())
+        cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
+                     "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
+                     "epochs": summ["epochs"]})
+        for key in ("ensemble_top1", "best_snapshot_top1", "ensemble_gain"):
+            if key in summ:
+                cell[key] = summ[key]
+    return cell
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     batches = _parse_list(args.batches, "batches", int)
@@ -330,37 +362,9 @@ def main(argv: list[str]) -> int:
     cells: list[dict] = []
     for i, (b, o, lr, s) in enumerate(plan):
         run_dir = _cell_dir(args.out, b, o, s, lr)
-        summary_path = run_dir / "summary.json"
-        if not summary_path.exists():
-            resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
-            left = len(plan) - i
-            console.print(f"[bold]study[/] cell {i + 1}/{len(plan)}: {o} batch {b}"
-                          f"{'' if lr is None else f' lr {lr:g}'} seed {s}"
-                          f"{' (resuming)' if resume else ''}; {left - 1} cells left after this one")
-            cmd = [sys.executable, "-m", "largebatch", "train", args.recipe, "--nproc-per-node",
-                   str(args.nproc_per_node), "--run-dir", str(run_dir), "--quiet"]
-            cmd += [x for kv in cell_overrides(args, b, o, s, lr) for x in ("--set", kv)]
-            if resume:
-                cmd.append("--resume")
-            if not args.dry_run:
-                t0 = time.perf_counter()
-                run_dir.mkdir(parents=True, exist_ok=True)
-                with open(run_dir / "train.log", "a") as log:
-                    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-                if proc.returncode != 0:
-                    console.print(f"[red]study: cell {o} batch {b} seed {s} failed (exit {proc.returncode}); "
-                                  f"see {run_dir / 'train.log'}[/]")
-                else:
-                    console.print(f"study: {o} batch {b} seed {s} done in {time.perf_counter() - t0:.0f} s")
-        cmd = ["largebatch", "train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir",
-               str(run_dir), *[x for kv in cell_overrides(args, b, o, s, lr) for x in ("--set", kv)]]
-        cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s, "run_dir": str(run_dir), "top1": None,
-                "command": " ".join(shlex.quote(c) for c in cmd)}
-        if summary_path.exists():
-            summ = json.loads(summary_path.read_text())
-            cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
-                         "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
-                         "epochs": summ["epochs"]})
+        label = f"{o} batch {b}{'' if lr is None else f' lr {lr:g}'} seed {s}"
+        cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
+                **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console)}
         cells.append(cell)
         write_outputs(args.out, meta, cells, batches, optimizers)
     table = write_outputs(args.out, meta, cells, batches, optimizers)

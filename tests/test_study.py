@@ -95,3 +95,46 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
     (cell,) = json.loads((final / "study.json").read_text())["cells"]
     assert cell["lr"] == chosen and "val_split" not in cell["command"]
     assert "test top-1" in (final / "study.md").read_text()
+
+
+def test_variant_studies_plan_summarise_and_judge(tmp_path):
+    from largebatch import study_variants as sv
+
+    args = sv.parser("batch-control").parse_args(["--epochs", "24", "--switch-epochs", "6"])
+    plan = sv.variants("batch-control", args)
+    assert "batch.phases=[]" in plan["fixed"]
+    assert any(s.startswith("batch.phases=[{start_epoch: 0, global_batch: 384}, {start_epoch: 6, global_batch: 3072}]")
+               for s in plan["control"])
+    with pytest.raises(UserError, match="--switch-epochs"):
+        sv.variants("batch-control", sv.parser("batch-control").parse_args(["--switch-epochs", "30"]))
+    ens = sv.variants("ensemble", sv.parser("ensemble").parse_args(["--epochs", "24", "--cycles", "2",
+                                                                    "--cycle-epochs", "4"]))
+    assert "schedule.epochs=16" in ens["ensemble"] and "ensemble.cycles=2" in ens["ensemble"]
+    assert "schedule.epochs=24" in ens["single"] and "ensemble.cycles=0" in ens["single"]
+    cells = ([{"variant": "single", "seed": s, "top1": t} for s, t in enumerate([0.90, 0.91, 0.92])]
+             + [{"variant": "ensemble", "seed": s, "top1": 0.0, "ensemble_top1": e, "best_snapshot_top1": b}
+                for s, (e, b) in enumerate([(0.93, 0.92), (0.925, 0.915), (0.935, 0.925)])])
+    table = sv.summarise("ensemble", cells)
+    assert table["ensemble"]["top1_mean"] == pytest.approx(0.93)          # the ensemble's own top-1
+    assert table["verdict"]["gain_over_best_snapshot"] == pytest.approx(0.01)
+    assert table["verdict"]["holds"] is True
+    md = sv.markdown("ensemble", table, "test")
+    assert "| ensemble | 93.00 ± 0.50 | 3 | 92.00 ± 0.50 |" in md and "**held**" in md
+    sv.plot(table, tmp_path / "bars.png", "test")
+    assert (tmp_path / "bars.png").stat().st_size > 1000
+
+
+def test_a_tiny_batch_control_study_runs_both_variants(cli, tmp_path):
+    out = tmp_path / "bc"
+    proc = cli("study", "batch-control", "--epochs", "2", "--seeds", "1", "--batch", "64", "--start-batch", "32",
+               "--switch-epochs", "1", "--nproc-per-node", "1", "--out", out, "--set", "data.dataset=synthetic",
+               "--set", "data.synthetic_size=128", "--set", "data.image_size=8", "--set", "model.width=4",
+               "--set", "schedule.warmup_epochs=0", check=True)
+    data = json.loads((out / "study.json").read_text())
+    assert {c["variant"] for c in data["cells"]} == {"fixed", "control"}
+    assert all(c["top1"] is not None for c in data["cells"])
+    control = next(c for c in data["cells"] if c["variant"] == "control")
+    metrics = [json.loads(line) for line in (study.Path(control["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert {r["global_batch"] for r in metrics if r["kind"] == "train"} == {32, 64}   # the switch happened
+    assert "verdict" in data["table"] and "Claim" in (out / "study.md").read_text()
+    assert "did not hold" in proc.stderr or "held" in proc.stderr

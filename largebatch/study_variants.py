@@ -1,0 +1,205 @@
+"""`largebatch study batch-control` and `largebatch study ensemble`: two variants of one recipe at equal epochs,
+over seeds, each a table of its own.
+
+- batch-control (Sony, Mikami et al.): `fixed` trains at --batch for the whole budget; `control` trains at
+  --start-batch for --switch-epochs, then at --batch. The claim: control is above fixed, beyond the seeds' spread.
+- ensemble (Codreanu et al.): `single` trains one model for --epochs; `ensemble` spends the same --epochs as a
+  base schedule plus --cycles cycles of --cycle-epochs, each ending in a collapse and a snapshot, and is
+  evaluated as the softmax average of its snapshots. The claims: the ensemble at least 0.3 points above its
+  best snapshot, and at least equal to the single model.
+
+Cells run as in `study batch-scaling` (`study.run_cell`): each a `largebatch train` of its own, resumable, its
+exact command in OUT/study.json; OUT/study.md holds the table (mean ± sample std over seeds), OUT/study.png the
+bars. `--val-split N` evaluates every cell on N held-out training images instead of the test set.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from largebatch import study
+from largebatch.cli import ArgumentParser, check_numbers
+from largebatch.errors import UserError
+
+
+def parser(kind: str) -> ArgumentParser:
+    p = ArgumentParser(prog=f"largebatch study {kind}", description=" ".join(__doc__.split("\n\n")[1].split()))
+    p.add_argument("--recipe", default="fashion_mnist", help="recipe every cell starts from")
+    p.add_argument("--epochs", type=float, default=24.0, help="epoch budget of every cell")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (0..N-1)")
+    p.add_argument("--out", type=Path, default=Path(f"runs/study-{kind}"), help="study directory")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="workers per cell")
+    p.add_argument("--micro-batch", type=int, default=512, help="largest per-worker forward batch")
+    p.add_argument("--val-split", type=int, default=None, help="evaluate on this many held-out training images")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe key in every cell (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="check and list the cells, train nothing")
+    if kind == "batch-control":
+        p.add_argument("--batch", type=int, default=3072, help="the large global batch (ImageNet ~64K on 60,000 images)")
+        p.add_argument("--start-batch", type=int, default=384, help="the control variant's batch before the switch")
+        p.add_argument("--switch-epochs", type=float, default=6.0, help="epochs at --start-batch before --batch")
+    else:
+        p.add_argument("--batch", type=int, default=384, help="global batch of both variants")
+        p.add_argument("--cycles", type=int, default=2, help="cycles after the base schedule")
+        p.add_argument("--cycle-epochs", type=float, default=4.0, help="epochs of one cycle")
+        p.add_argument("--collapse-epochs", type=float, default=1.0, help="collapse at the end of each segment")
+    return p
+
+
+def variants(kind: str, args) -> dict[str, list[str]]:
+    """The --set list of each variant (on top of the recipe and --set)."""
+    common = [f"batch.micro_batch={args.micro_batch}", "batch.accumulation=null", "train.plots=false",
+              "train.eval_every=0"]
+    if args.val_split:
+        common.append(f"data.val_split={args.val_split}")
+    if kind == "batch-control":
+        if not 0 < args.switch_epochs < args.epochs:
+            raise UserError(f"--switch-epochs is {args.switch_epochs}; give a number of epochs inside the budget "
+                            f"(0, {args.epochs:g}).")
+        phases = (f"[{{start_epoch: 0, global_batch: {args.start_batch}}}, "
+                  f"{{start_epoch: {args.switch_epochs:g}, global_batch: {args.batch}}}]")
+        return {"fixed": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
+                                   "batch.phases=[]"],
+                "control": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
+                                     f"batch.phases={phases}"]}
+    base = args.epochs - args.cycles * args.cycle_epochs
+    if base <= args.collapse_epochs:
+        raise UserError(f"--cycles {args.cycles} x --cycle-epochs {args.cycle_epochs:g} leaves {base:g} of the "
+                        f"{args.epochs:g} epochs for the base schedule; it needs more than --collapse-epochs.")
+    return {"single": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
+                                "batch.phases=[]", "ensemble.cycles=0"],
+            "ensemble": common + [f"schedule.epochs={base:g}", f"batch.global_batch={args.batch}", "batch.phases=[]",
+                                  f"ensemble.cycles={args.cycles}", f"ensemble.cycle_epochs={args.cycle_epochs:g}",
+                                  f"ensemble.collapse_epochs={args.collapse_epochs:g}"]}
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def summarise(kind: str, cells: list[dict]) -> dict:
+    """Per variant: top-1 (the ensemble's own for the ensemble variant) mean and std; and the claim's verdict."""
+    table: dict = {}
+    for name in sorted({c["variant"] for c in cells}):
+        done = [c for c in cells if c["variant"] == name and c.get("top1") is not None]
+        if not done:
+            continue
+        key = "ensemble_top1" if kind == "ensemble" and name == "ensemble" else "top1"
+        mean, std = _stats([c.get(key, c["top1"]) for c in done])
+        row = {"variant": name, "top1_mean": mean, "top1_std": std, "seeds": len(done)}
+        if kind == "ensemble" and name == "ensemble":
+            row["best_snapshot_mean"], row["best_snapshot_std"] = _stats([c["best_snapshot_top1"] for c in done])
+        table[name] = row
+    a, b = ("control", "fixed") if kind == "batch-control" else ("ensemble", "single")
+    if a in table and b in table:
+        diff = table[a]["top1_mean"] - table[b]["top1_mean"]
+        spread = max(table[a]["top1_std"], table[b]["top1_std"])
+        table["verdict"] = {"difference": diff, "spread": spread, "holds": diff > spread}
+        if kind == "ensemble":
+            gain = table[a]["top1_mean"] - table[a]["best_snapshot_mean"]
+            table["verdict"].update(gain_over_best_snapshot=gain,
+                                    holds=diff >= 0 and gain >= 0.003)
+    return table
+
+
+def markdown(kind: str, table: dict, split: str) -> str:
+    rows = [f"| variant | {split} top-1 (%) | seeds |" + (" best snapshot (%) |" if kind == "ensemble" else ""),
+            "|---|---:|---:|" + ("---:|" if kind == "ensemble" else "")]
+    for name, r in table.items():
+        if name == "verdict":
+            continue
+        extra = ""
+        if kind == "ensemble":
+            extra = (f" {100 * r['best_snapshot_mean']:.2f} ± {100 * r['best_snapshot_std']:.2f} |"
+                     if "best_snapshot_mean" in r else " |")
+        rows.append(f"| {name} | {100 * r['top1_mean']:.2f} ± {100 * r['top1_std']:.2f} | {r['seeds']} |{extra}")
+    v = table.get("verdict")
+    if v:
+        what = ("control above fixed beyond the seeds' spread" if kind == "batch-control" else
+                "ensemble >= single model and >= best snapshot + 0.3")
+        rows.append("")
+        rows.append(f"Claim ({what}): difference {100 * v['difference']:+.2f} points, spread {100 * v['spread']:.2f}"
+                    + (f", gain over the best snapshot {100 * v['gain_over_best_snapshot']:+.2f}"
+                       if "gain_over_best_snapshot" in v else "")
+                    + f": **{'held' if v['holds'] else 'did not hold'}**.")
+    return "\n".join(rows) + "\n"
+
+
+def plot(table: dict, path: Path, split: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in table if n != "verdict"]
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    ax.bar(names, [100 * table[n]["top1_mean"] for n in names], yerr=[100 * table[n]["top1_std"] for n in names],
+           capsize=4, color=["#4c72b0", "#dd8452"][: len(names)])
+    low = min(100 * (table[n]["top1_mean"] - table[n]["top1_std"]) for n in names)
+    ax.set_ylim(max(0.0, low - 2), None)
+    ax.set_ylabel(f"{split} top-1 (%)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(kind: str, argv: list[str]) -> int:
+    args = parser(kind).parse_args(argv)
+    check_numbers(("--seeds", args.seeds, args.seeds >= 1, "1 or more"),
+                  ("--nproc-per-node", args.nproc_per_node, args.nproc_per_node >= 1, "1 or more"),
+                  ("--micro-batch", args.micro_batch, args.micro_batch >= 1, "1 or more"),
+                  ("--epochs", args.epochs, args.epochs > 0, "a positive number of epochs"),
+                  ("--val-split", args.val_split, args.val_split is None or args.val_split >= 1, "1 or more"))
+    plan = variants(kind, args)
+    from largebatch import config as config_mod
+    from largebatch.train_cli import dry_run
+
+    for sets in plan.values():   # every cell resolves before anything trains
+        dry_run(config_mod.load(args.recipe, list(args.overrides) + sets + ["train.seed=0"]), args.nproc_per_node)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
+    stored = args.out / "study_settings.json"
+    if stored.exists() and json.loads(stored.read_text()) != settings:
+        raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
+                        "arguments, or use another --out.")
+    stored.write_text(json.dumps(settings, indent=2))
+    import torch
+
+    from largebatch.bench import machine
+
+    split = "validation" if args.val_split else "test"
+    meta = {"command": f"largebatch study {kind} " + " ".join(argv), **settings,
+            "machine": machine(torch.device("cpu")), "split": split}
+    cells: list[dict] = []
+    order = [(name, s) for s in range(args.seeds) for name in plan]
+    for i, (name, s) in enumerate(order):
+        run_dir = args.out / "runs" / f"{name}-s{s}"
+        cell = {"variant": name, "seed": s,
+                **study.run_cell(args, run_dir, list(args.overrides) + plan[name] + [f"train.seed={s}"],
+                                 f"{name} seed {s}", f"{i + 1}/{len(order)}", console)}
+        cells.append(cell)
+        table = summarise(kind, cells)
+        (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
+        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n"
+                                           + markdown(kind, table, split))
+        if any(n != "verdict" for n in table):
+            plot(table, args.out / "study.png", split)
+    console.print(markdown(kind, summarise(kind, cells), split))
+    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done; results in "
+                  f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
+    return 0
+
+
+def main_batch_control(argv: list[str]) -> int:
+    return run("batch-control", argv)
+
+
+def main_ensemble(argv: list[str]) -> int:
+    return run("ensemble", argv)
