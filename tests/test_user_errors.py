@@ -266,3 +266,8 @@ def test_a_user_error_on_one_rank_exits_2_with_its_sentence_once(cli, tmp_path):
     same = cli("train", *TINY, "--nproc-per-node", "2", "--run-dir", tmp_path / "run2",
                "--set", "batch.global_batch=100000")
     assert same.returncode == 2 and same.stderr.count("largebatch: error:") == 1, same.stderr
+
+
+def test_plan_refuses_a_global_batch_larger_than_the_dataset(main):
+    _expect(main("plan", "--devices", "8", "--global-batch", "4096", "--dataset-size", "1000"),
+            "larger than the dataset (1000 images)")

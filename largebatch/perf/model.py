@@ -151,6 +151,9 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
                         f"use a multiple of {devices}.")
     if epochs <= 0 or dataset_size < 1:
         raise UserError(f"epochs ({epochs}) and dataset size ({dataset_size}) must be positive.")
+    if global_batch > dataset_size:
+        raise UserError(f"global batch {global_batch} is larger than the dataset ({dataset_size} images); one step "
+                        "would see images twice: use a smaller --global-batch or the right --dataset-size.")
     if bucket_mb <= 0:
         raise UserError(f"bucket size {bucket_mb} MB must be positive.")
     dev = get_device(device, precision)
