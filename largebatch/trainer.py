@@ -237,6 +237,10 @@ class Trainer:
                 (p / "checkpoints").mkdir(exist_ok=True)
             except UserError as err:
                 path[1] = str(err)
+            except OSError as err:   # the run directory's disk or permissions: still every rank's error
+                from largebatch.errors import describe_os_error
+
+                path[1] = describe_os_error(err)
         if self.info.distributed:
             dist.broadcast_object_list(path, src=0)
         if path[1]:
