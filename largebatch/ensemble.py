@@ -57,7 +57,7 @@ def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: to
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard."""
     from largebatch.data.sampler import eval_shard
-    from largebatch.trainer import autocast, to_model_layout
+    from largebatch.layout import autocast, to_model_layout
 
     model.eval()
     idx = eval_shard(len(source), rank, world_size)
@@ -143,7 +143,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
                  precision: str, world_size: int) -> None:
     """BN running statistics of `model` from scratch: cumulative average over the given training
     batches in train mode, then the mean over ranks (all ranks must call it)."""
-    from largebatch.trainer import autocast, to_model_layout
+    from largebatch.layout import autocast, to_model_layout
 
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:

@@ -30,6 +30,7 @@ from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metric
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
+from largebatch.layout import autocast, resize_batch, to_model_layout, use_channels_last  # noqa: F401 (re-exported)
 from largebatch.schedule import Plan, resolution_at
 
 
@@ -56,33 +57,7 @@ def build_classifier(cfg: Config, info) -> Classifier:
     return Classifier(Normalize(info.mean, info.std), net)
 
 
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
-
-def to_model_layout(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """Move a batch to the device in the model's memory format.
-
-    JPEG batches arrive as NCHW views of NHWC memory; mixing formats picks slower (and on CPU, for
-    very narrow convs under DDP, crashing) kernels. A no-op when the layout already matches.
-    """
-    x = x.to(device, non_blocking=True)
-    if x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    return x
-
-
-def resize_batch(x: torch.Tensor, size: int, channels_last: bool) -> torch.Tensor:
-    """Progressive resizing: a batch (uint8 or float) resized to size x size on its device, bilinear
-    with antialiasing when shrinking; the result is float in uint8/255 units, which the model's
-    Normalize layer takes as is."""
-    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x
-    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False,
-                      antialias=size < x.shape[-1])
-    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def _no_buffer_broadcast() -> dict:
@@ -91,11 +66,6 @@ def _no_buffer_broadcast() -> dict:
     params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
-
-def use_channels_last(choice: str, device: torch.device, precision: str) -> bool:
-    if choice == "auto":
-        return device.type == "cuda" or precision == "bf16"
-    return choice == "on"
 
 
 class Trainer:

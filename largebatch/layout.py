@@ -1,0 +1,47 @@
+"""Where a batch or a model lives and in what form: device, memory format, autocast precision, resolution.
+
+One rule for every part that moves batches (the trainer, evaluation, the Collapsed Ensemble's snapshot
+evaluation), kept apart from the trainer so that those parts do not import each other.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context of `precision` (fp32: none; bf16; fp16, with the trainer's GradScaler)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_model_layout(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """Move a batch to the device in the model's memory format.
+
+    JPEG batches arrive as NCHW views of NHWC memory; mixing formats picks slower (and on CPU, for
+    very narrow convs under DDP, crashing) kernels. A no-op when the layout already matches.
+    """
+    x = x.to(device, non_blocking=True)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return x
+
+
+def resize_batch(x: torch.Tensor, size: int, channels_last: bool) -> torch.Tensor:
+    """Progressive resizing: a batch (uint8 or float) resized to size x size on its device, bilinear
+    with antialiasing when shrinking; the result is float in uint8/255 units, which the model's
+    Normalize layer takes as is."""
+    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False,
+                      antialias=size < x.shape[-1])
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def use_channels_last(choice: str, device: torch.device, precision: str) -> bool:
+    if choice == "auto":
+        return device.type == "cuda" or precision == "bf16"
+    return choice == "on"
