@@ -50,6 +50,31 @@ def env_info() -> DistInfo:
     )
 
 
+def restart_count() -> int:
+    """Which elastic restart attempt this process belongs to (0 for the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def namespace() -> str:
+    """largebatch's key space in the launcher's store for this run (torchrun's run id)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"largebatch/{run_id}"
+
+
+def attempt_store(timeout_s: float):
+    """The process group's store for this restart attempt, or None to let torch build it.
+
+    torchrun's c10d rendezvous hands every attempt the same agent TCPStore, so after a restart a
+    worker can read the gloo/NCCL addresses that the killed attempt published and fail with
+    "connection refused". A PrefixStore per attempt gives each attempt fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"{namespace()}/attempt{restart_count()}/pg", store)
+
+
 def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group when launched by torchrun."""
     info = env_info()
@@ -58,8 +83,6 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
         kwargs = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
-        from largebatch.reliability import attempt_store
-
         store = attempt_store(timeout_s)   # per-restart key space (stale keys of a killed attempt otherwise)
         if store is not None:
             kwargs.update(store=store, rank=info.rank, world_size=info.world_size)

@@ -51,6 +51,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from largebatch.dist import namespace as _namespace, restart_count
 from largebatch.errors import UserError
 
 FAULTS_ENV = "LARGEBATCH_FAULTS"
@@ -59,15 +60,6 @@ KINDS = ("nan", "hang", "kill", "term", "error")
 
 
 # ---------------------------------------------------------------------------------- 1. control store
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _namespace() -> str:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"largebatch/{run_id}"
-
-
 def control_store(world_size: int, timeout_s: float = 60.0):
     """A client of the launcher's TCPStore (None for a single process or without MASTER_ADDR)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -75,20 +67,6 @@ def control_store(world_size: int, timeout_s: float = 60.0):
         return None
     return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
-
-
-def attempt_store(timeout_s: float):
-    """The process group's store for this restart attempt, or None to let torch build it.
-
-    torchrun's c10d rendezvous hands every attempt the same agent TCPStore, so after a restart a
-    worker can read the gloo/NCCL addresses that the killed attempt published and fail with
-    "connection refused". A PrefixStore per attempt gives each attempt fresh keys.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    return dist.PrefixStore(f"{_namespace()}/attempt{restart_count()}/pg", store)
 
 
 # ---------------------------------------------------------------------------------- 2. run directory
