@@ -22,6 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from largebatch.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
@@ -103,7 +106,7 @@ def main(argv: list[str]) -> int:
     communicating = [a for a in algorithms if a != "noop"]
     best = max(communicating, key=lambda a: results[a]["efficiency"]) if communicating else None
     out = {
-        "machine": "2-core CPU container, no GPU" if (os.cpu_count() or 0) == 2 else f"{os.cpu_count()}-core CPU",
+        "machine": machine(torch.device("cpu")),
         "model": args.model, "width": args.width, "image_size": args.image_size,
         "per_worker_batch": args.per_worker_batch, "workers": args.workers, "threads_per_worker": args.threads,
         "precision": args.precision, "single_images_per_s": one, "single_rounds": single,
