@@ -32,12 +32,16 @@ def _parser() -> ArgumentParser:
     a("--devices-per-node", type=int, default=8, help="accelerators per node")
     a("--intra-node", default=None, help="intra-node link (default: the device's)")
     a("--inter-node", default="ib-edr:1", help="inter-node link[:links per node]")
-    a("--algorithm", default="ring", help=f"one of {', '.join(ALGORITHMS)}")
+    a("--algorithm", default="native", help=f"one of {', '.join(ALGORITHMS)} (native: the backend's own "
+                                             "all-reduce as NCCL runs it, the faster of ring and tree per message)")
     a("--torus-x", type=int, default=None, help="torus2d row length (default: the cheapest divisor)")
     a("--global-batch", type=int, default=2048, help="images per step across all devices")
     a("--epochs", type=float, default=90.0, help="training epochs")
     a("--dataset-size", type=int, default=1281167, help="training images per epoch (ImageNet-1k: 1,281,167)")
     a("--precision", default="fp16", help="training precision: the device's peak for it from the catalog")
+    a("--eval-every", type=float, default=4.0,
+      help="epochs between evaluation passes, counted in time-to-train (MLPerf: 4; 0 leaves evaluation out)")
+    a("--eval-images", type=int, default=50000, help="images of one evaluation pass (ImageNet-1k validation: 50,000)")
     a("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (tensor fusion)")
     a("--no-overlap", action="store_true", help="communication after backward, not during")
     a("--price-per-device-hour", type=float, default=None, help="USD per device-hour, for the cost (default: no cost)")
@@ -63,7 +67,8 @@ def _kwargs(args) -> dict:
                 precision=args.precision, image_size=args.image_size, in_channels=args.in_channels,
                 num_classes=args.num_classes, stem=args.stem, width=args.width, bucket_mb=args.bucket_mb,
                 overlap_comm=not args.no_overlap, torus_x=args.torus_x,
-                price_per_device_hour=args.price_per_device_hour, purchase_price=args.purchase_price)
+                price_per_device_hour=args.price_per_device_hour, purchase_price=args.purchase_price,
+                eval_every=args.eval_every, eval_images=args.eval_images)
 
 
 def _hms(s: float) -> str:
@@ -88,7 +93,8 @@ def _show(p: Prediction) -> None:
             ("images/s", f"{p.images_per_s:,.0f} ({p.images_per_s_per_device:,.1f} per device, MFU {100 * p.mfu:.1f}%)"),
             ("scaling efficiency", f"{100 * p.scaling_efficiency:.1f}% vs one device, "
                                    f"{100 * p.scaling_efficiency_node:.1f}% vs one node"),
-            ("time-to-train", f"{_hms(p.time_to_train_s)} ({p.epochs:g} epochs, {p.steps_per_epoch} steps each)"),
+            ("time-to-train", f"{_hms(p.time_to_train_s)} ({p.epochs:g} epochs, {p.steps_per_epoch} steps each; "
+                              f"evaluation {_hms(p.eval_time_s)} of it)"),
             ("device-hours", f"{p.device_hours:,.1f}")]
     if p.torus_grid:
         rows.append(("torus grid", f"{p.torus_grid[0]} x {p.torus_grid[1]}"))
@@ -99,6 +105,8 @@ def _show(p: Prediction) -> None:
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
+    for note in p.notes:
+        print(f"note: {note}")
 
 
 def _sweep(args) -> int:
@@ -175,10 +183,11 @@ def _validate(args) -> None:
                              ("--num-classes", args.num_classes, 2), ("--width", args.width, 1),
                              ("--devices", args.devices, 1), ("--devices-per-node", args.devices_per_node, 1),
                              ("--global-batch", args.global_batch, 1), ("--dataset-size", args.dataset_size, 1),
-                             ("--nproc", args.nproc, 1)):
+                             ("--nproc", args.nproc, 1), ("--eval-images", args.eval_images, 0)):
         if value < low:
             raise UserError(f"{flag} is {value}; give {low} or more.")
     for flag, value, zero_ok in (("--epochs", args.epochs, False), ("--bucket-mb", args.bucket_mb, False),
+                                 ("--eval-every", args.eval_every, True),
                                  ("--price-per-device-hour", args.price_per_device_hour, True),
                                  ("--purchase-price", args.purchase_price, True)):
         if value is not None and (not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok)):

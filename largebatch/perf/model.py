@@ -9,6 +9,10 @@
    cut into buckets of `bucket_mb` (the last one smaller), as DDP and Sony's tensor fusion do.
 3. Communication. Each bucket costs one all-reduce of its size with the chosen algorithm on the
    two-level topology (`topology.py`; one file per algorithm). comm = sum over buckets.
+   `native`, the default, is the backend's own all-reduce as NCCL runs it: its tuner picks, per
+   message, the faster of its ring and its double binary tree from a latency + bandwidth model of
+   each, so `native` costs min(ring, tree) per bucket. A flat ring alone is latency-bound at
+   thousands of devices (2(p-1) steps), which NCCL avoids by switching to the tree.
 4. Overlap. Backward produces gradients at a constant rate, so bucket i is ready at
    t_bwd * (bytes up to and including i) / G; buckets are all-reduced one at a time in order.
    The exposed communication is what is left after backward ends:
@@ -16,8 +20,13 @@
 5. Step time = t_c + exposed; images/s = global batch / step time.
 6. Scaling efficiency against one device: t_c / step (the same per-device batch, no
    communication); against one node: step time on g devices / step time on p devices.
-7. Time-to-train = epochs x ceil(dataset / global batch) x step time; device-hours = devices x
-   hours; cost = device-hours x price per device-hour, hardware = devices x purchase price.
+7. Evaluation, the overhead that published times-to-accuracy include: every `eval_every` epochs
+   one pass over `eval_images` split over all devices, forward only (t_c / 3 per step of the
+   per-device batch, b_half included), plus its all-reduce of the counts (one latency step).
+8. Time-to-train = epochs x dataset / global batch x step time (an epoch charges its images, not
+   a rounded-up step count: at a global batch near the dataset size the rounding would charge up
+   to twice the images) + evaluation; device-hours = devices x hours; cost = device-hours x price
+   per device-hour, hardware = devices x purchase price.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ from largebatch.perf.catalog import Device, get_device, get_link
 from largebatch.perf.flops import model_cost
 from largebatch.perf.topology import Topology
 
-ALGORITHMS = ("ring", "halving_doubling", "torus2d", "hierarchical", "tree")
+ALGORITHMS = ("native", "ring", "halving_doubling", "torus2d", "hierarchical", "tree")
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -65,6 +74,7 @@ class Prediction:
     mfu: float
     steps_per_epoch: int
     epochs: float
+    eval_time_s: float
     time_to_train_s: float
     device_hours: float
     cost_usd: float | None
@@ -78,6 +88,8 @@ class Prediction:
 
 def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None) -> float:
     """Seconds for one all-reduce of `nbytes` with `algorithm` on `topo` (step 3)."""
+    if algorithm == "native":
+        return min(ring.cost(nbytes, topo), tree.cost(nbytes, topo))
     if algorithm == "ring":
         return ring.cost(nbytes, topo)
     if algorithm == "halving_doubling":
@@ -127,12 +139,12 @@ def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str,
 
 
 def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, devices_per_node: int = 8,
-            intra_node: str | None = None, inter_node: str = "ib-edr:1", algorithm: str = "ring",
+            intra_node: str | None = None, inter_node: str = "ib-edr:1", algorithm: str = "native",
             global_batch: int = 2048, epochs: float = 90.0, dataset_size: int = 1281167,
             precision: str = "fp16", image_size: int = 224, in_channels: int = 3, num_classes: int = 1000,
             stem: str = "imagenet", width: int = 64, bucket_mb: float = 25.0, overlap_comm: bool = True,
             torus_x: int | None = None, price_per_device_hour: float | None = None,
-            purchase_price: float | None = None) -> Prediction:
+            purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000) -> Prediction:
     """Predict one training plan (steps 1-7); impossible plans raise UserError."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
@@ -156,6 +168,9 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
                         "would see images twice: use a smaller --global-batch or the right --dataset-size.")
     if bucket_mb <= 0:
         raise UserError(f"bucket size {bucket_mb} MB must be positive.")
+    if eval_every < 0 or eval_images < 0:
+        raise UserError(f"evaluation every {eval_every} epochs over {eval_images} images: give non-negative "
+                        "numbers (0 leaves evaluation out).")
     dev = get_device(device, precision)
     intra, _ = get_link(intra_node or dev.default_intra)
     inter, mult = get_link(inter_node)
@@ -177,13 +192,21 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         node_x = torus2d.grid(g, None, node_topo, float(sizes[0]))[0]
     node_step = _step(dev, cost.forward_flops, b, node_topo, algorithm, sizes, overlap_comm, node_x)[3]
 
-    steps_per_epoch = math.ceil(dataset_size / global_batch)        # 7.
-    ttt = epochs * steps_per_epoch * step
+    eval_s = 0.0                                                    # 7.
+    if eval_every > 0 and eval_images > 0:
+        passes = math.floor(epochs / eval_every + 1e-9)
+        eval_steps = math.ceil(eval_images / global_batch)
+        eval_s = passes * (eval_steps * t_c / 3.0 + allreduce_time(algorithm, 8.0, topo, torus_x))
+    steps_per_epoch = math.ceil(dataset_size / global_batch)        # 8.
+    ttt = epochs * dataset_size / global_batch * step + eval_s
     hours = devices * ttt / 3600.0
     price = purchase_price if purchase_price is not None else dev.purchase_usd
     notes = []
     if devices == 1:
         notes.append("one device: no communication")
+    if grid is not None and devices > 3 and all(devices % d for d in range(2, math.isqrt(devices) + 1)):
+        notes.append(f"{devices} devices have no divisor between 1 and {devices}: the 2D torus is a 1 x {devices} "
+                     "ring; a device count with a divisor near its square root gives a real grid")
     return Prediction(
         model=model, device=device, precision=precision, algorithm=algorithm, devices=devices,
         devices_per_node=g, nodes=topo.nodes, global_batch=global_batch, per_device_batch=b,
@@ -193,6 +216,6 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         images_per_s_per_device=b / step, scaling_efficiency=t_c / step,        # 6.
         scaling_efficiency_node=node_step / step,
         mfu=3.0 * cost.forward_flops * global_batch / step / (devices * dev.peak_flops),
-        steps_per_epoch=steps_per_epoch, epochs=epochs, time_to_train_s=ttt, device_hours=hours,
+        steps_per_epoch=steps_per_epoch, epochs=epochs, eval_time_s=eval_s, time_to_train_s=ttt, device_hours=hours,
         cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
         hardware_usd=None if price is None else devices * float(price), torus_grid=grid, notes=notes)
