@@ -8,10 +8,10 @@ this module holds what happens to the weights:
    weight decay x `collapse_wd_factor`, lr poly-2 to zero). Save snapshot 1 at its end.
 2. K cycles: re-warm-up to `cycle_lr_factor` x the peak lr, poly-2 decay, collapse, snapshot.
    All snapshots are kept in RUN_DIR/snapshots (checkpoint.save: atomic, checksummed).
-3. Evaluation, distributed like training (each rank its contiguous shard of the test set,
-   every image exactly once): for every snapshot, the softmax of its logits on the rank's
-   shard; per-snapshot top-1/top-5/NLL, and the ensemble's from the running average of the
-   softmax outputs, p_ens = (1/K) sum_k softmax(f_k(x)). One all-reduce of all counts.
+3. Evaluation with `largebatch.scoring` (each rank its contiguous shard of the test set, every
+   image exactly once): for every snapshot, the softmax of its logits on the rank's shard;
+   per-snapshot top-1/top-5/NLL, and the ensemble's from the running average of the softmax
+   outputs, p_ens = (1/K) sum_k softmax(f_k(x)). One all-reduce of all counts.
 4. Optionally (ensemble.swa), the weight average of the snapshots (SWA-style, Izmailov et al.)
    with BN statistics recomputed by forward passes over training batches in train mode
    (cumulative average, then averaged over ranks), evaluated beside the output ensemble.
@@ -22,11 +22,9 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from largebatch import checkpoint
+from largebatch import checkpoint, scoring
 from largebatch.errors import UserError
 
 SNAPSHOT_DIR = "snapshots"
@@ -51,42 +49,19 @@ def set_weight_decay(optimizer: torch.optim.Optimizer, base: list[float], factor
 
 
 # ---------------------------------------------------------------------------- 3. evaluation
-@torch.no_grad()
 def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: torch.device, *,
                 precision: str = "fp32", channels_last: bool = False, batch: int = 512
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard."""
-    from largebatch.data.sampler import eval_shard
-    from largebatch.layout import autocast, to_model_layout
-
-    model.eval()
-    idx = eval_shard(len(source), rank, world_size)
-    probs, labels = [], []
-    for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
-        x = to_model_layout(x, device, channels_last)
-        with autocast(device, precision):
-            logits = model(x)
-        probs.append(logits.float().softmax(1))
-        labels.append(y.to(device))
-    if not probs:
+    parts = list(scoring.shard_log_probs(model, source, rank, world_size, device, precision=precision,
+                                         channels_last=channels_last, batch=batch))
+    if not parts:
         return torch.zeros(0, 0, device=device), torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.cat(probs), torch.cat(labels)
+    return torch.cat([lp for lp, _ in parts]).exp(), torch.cat([y for _, y in parts])
 
 
-def counts(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[top-1 correct, top-5 correct, NLL sum, count] of class probabilities (float64, same device)."""
-    if labels.numel() == 0:
-        return torch.zeros(4, dtype=torch.float64, device=labels.device)
-    top5 = probs.topk(min(5, probs.shape[1]), dim=1).indices
-    hit = top5 == labels[:, None]
-    nll = F.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum")
-    return torch.stack([hit[:, 0].sum().double(), hit.any(1).sum().double(), nll.double(),
-                        torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device)])
-
-
-def _as_metrics(c: list[float]) -> dict:
-    n = max(c[3], 1.0)
-    return {"top1": c[0] / n, "top5": c[1] / n, "loss": c[2] / n, "count": int(c[3])}
+def _counts(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return scoring.counts(probs.clamp_min(1e-12).log(), labels)
 
 
 @torch.no_grad()
@@ -107,22 +82,20 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
         work.load_state_dict(state)
         probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
                                     channels_last=channels_last, batch=batch)
-        rows.append(counts(probs, labels))
+        rows.append(_counts(probs, labels))
         total = probs if total is None else total.add_(probs)
-    rows.append(counts(total / len(states), labels))
+    rows.append(_counts(total / len(states), labels))
     if swa_source is not None:
         work.load_state_dict(average_states(states))
         recompute_bn(work, swa_source, swa_batches or [], device, channels_last=channels_last, precision=precision,
                      world_size=world_size)
         probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
                                     channels_last=channels_last, batch=batch)
-        rows.append(counts(probs, labels))
-    table = torch.stack(rows)
-    if world_size > 1:
-        dist.all_reduce(table)   # one collective for every count of every member
-    table = table.cpu().tolist()   # host sync, once
-    out = {"snapshots": [_as_metrics(r) for r in table[:len(states)]], "ensemble": _as_metrics(table[len(states)])}
-    out["swa"] = _as_metrics(table[len(states) + 1]) if swa_source is not None else None
+        rows.append(_counts(probs, labels))
+    table = scoring.reduce_rows(torch.stack(rows), world_size)   # one collective for every member's counts
+    out = {"snapshots": [scoring.as_metrics(r) for r in table[:len(states)]],
+           "ensemble": scoring.as_metrics(table[len(states)])}
+    out["swa"] = scoring.as_metrics(table[len(states) + 1]) if swa_source is not None else None
     return out
 
 
@@ -159,15 +132,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
             model(x)
     for m, momentum in zip(bns, momenta):
         m.momentum = momentum
-    if world_size > 1:
-        bufs = [b for m in bns for b in (m.running_mean, m.running_var)]
-        flat = torch.cat([b.reshape(-1) for b in bufs])
-        dist.all_reduce(flat)
-        flat /= world_size
-        offset = 0
-        for b in bufs:
-            b.copy_(flat[offset: offset + b.numel()].view_as(b))
-            offset += b.numel()
+    scoring.average_buffers([b for m in bns for b in (m.running_mean, m.running_var)], world_size)
     model.eval()
 
 

@@ -70,7 +70,8 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     from largebatch import checkpoint, dist as dist_mod, ensemble
     from largebatch.data import build_data
     from largebatch.layout import use_channels_last
-    from largebatch.trainer import build_classifier, evaluate
+    from largebatch.scoring import evaluate
+    from largebatch.trainer import build_classifier
 
     cfg = load_run_config(run_dir)
     device = dist_mod.pick_device(cfg.train.device)

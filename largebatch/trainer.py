@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability, rundir
+from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability, rundir, scoring
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
@@ -292,17 +292,8 @@ class Trainer:
 
     def _sync_buffers(self) -> None:
         """Average BN running statistics across workers (they are per worker during training)."""
-        if not self.info.distributed:
-            return
-        bufs = [b for b in self.model.buffers() if b.is_floating_point()]
-        if bufs:
-            flat = torch.cat([b.reshape(-1) for b in bufs])
-            dist.all_reduce(flat)
-            flat /= self.info.world_size
-            offset = 0
-            for b in bufs:
-                b.copy_(flat[offset: offset + b.numel()].view_as(b))
-                offset += b.numel()
+        if self.info.distributed:
+            scoring.average_buffers([b for b in self.model.buffers() if b.is_floating_point()], self.info.world_size)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
         x = to_model_layout(x, self.device, self.channels_last)
@@ -507,10 +498,11 @@ class Trainer:
 
     def _log_eval(self) -> dict:
         with self.watchdog.guard(self.step, "evaluation"):
-            result = evaluate(self._eval_model(), self.test_data, self.info, self.device,
-                              precision=self.cfg.train.precision, channels_last=self.channels_last,
-                              flip=self.cfg.train.eval_flip, batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch),
-                              sync_buffers=self._sync_buffers)
+            self._sync_buffers()
+            result = scoring.evaluate(self._eval_model(), self.test_data, self.info, self.device,
+                                      precision=self.cfg.train.precision, channels_last=self.channels_last,
+                                      flip=self.cfg.train.eval_flip,
+                                      batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch))
         self.best_top1 = max(self.best_top1, result["top1"])
         rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.wall_before + self._session_wall()}
         self.metrics.write(rec)
@@ -583,48 +575,6 @@ class Trainer:
                 write_tensorboard(self.run_dir)
         self.metrics.close()
         return summary
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, source, info: dist_mod.DistInfo, device: torch.device, *, precision: str = "fp32",
-             channels_last: bool = False, flip: bool = False, batch: int = 512, sync_buffers=None,
-             return_probs: bool = False) -> dict:
-    """Distributed evaluation: every test image counted exactly once (contiguous shards, no padding)."""
-    from largebatch.data.sampler import eval_shard
-
-    if sync_buffers is not None:
-        sync_buffers()
-    model.eval()
-    idx = eval_shard(len(source), info.rank, info.world_size)
-    # top-1 correct, top-5 correct, loss sum, count: summed on the device, read once at the end (no host
-    # sync per batch)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    probs = []
-    for x, y in source.batches(list(idx.split(batch)), train=False, epoch=0):
-        x = to_model_layout(x, device, channels_last)
-        y = y.to(device)
-        with autocast(device, precision):
-            logits = model(x).float()
-            if flip:
-                logits = (logits + model(x.flip(3)).float()) / 2
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        hit = top5 == y[:, None]
-        sums += torch.stack([hit[:, 0].sum().double(), hit.any(1).sum().double(),
-                             F.cross_entropy(logits, y, reduction="sum").double(),
-                             torch.tensor(float(y.numel()), dtype=torch.float64, device=device)])
-        if return_probs:
-            probs.append(logits.softmax(1).cpu())
-    if info.distributed:
-        dist.all_reduce(sums)
-    model.train()
-    c1, c5, loss, n = sums.tolist()
-    if n == 0:
-        raise UserError("evaluation saw no test images: every one was corrupt or unreadable, or the test set is "
-                        "empty; check data.root (the skipped files are listed in the run's corrupt_images.txt).")
-    out = {"top1": c1 / max(n, 1), "top5": c5 / max(n, 1), "loss": loss / max(n, 1), "count": int(n)}
-    if return_probs:
-        out["probs"] = torch.cat(probs) if probs else torch.zeros(0)
-    return out
 
 
 def write_tensorboard(run_dir: Path) -> None:

@@ -77,7 +77,8 @@ def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
     assert evals[-1]["count"] == 10000
 
     from largebatch.data import build_data
-    from largebatch.trainer import build_classifier, evaluate
+    from largebatch.scoring import evaluate
+    from largebatch.trainer import build_classifier
 
     cfg = config.load(str(run / "config.yaml"))
     _, test, info = build_data(cfg.data, cfg.train.seed)
