@@ -11,7 +11,7 @@ import pytest
 
 from largebatch import comm
 from largebatch.bench.allreduce import parse_sizes
-from largebatch.comm import cost
+from largebatch.perf import measured as cost
 from largebatch.comm.chunking import bounds
 from largebatch.comm.hook import CommHookState
 from largebatch.comm.topology import resolve_grid, resolve_local_size
@@ -73,6 +73,20 @@ def test_cost_is_the_perf_model_on_measured_links() -> None:
     assert cost.predict("halving_doubling", n, topo, small_bytes=n) == halving_doubling.cost(n, topo)
     # one node: no inter-node link is needed
     assert cost.predict("ring", n, cost.topology(4, 4, intra, None)) == ring.cost(n, Topology(4, 4, intra, intra))
+    # native as NCCL runs it: the faster of ring and tree (here, many nodes and a small message: the tree)
+    from largebatch.perf import tree
+    wide = cost.topology(64, 1, intra, inter)
+    assert cost.predict("native", 8.0, wide, backend="nccl") == tree.cost(8.0, wide) < ring.cost(8.0, wide)
+
+
+def test_the_runtime_comm_package_does_not_import_the_model() -> None:
+    """One direction only: largebatch.perf models largebatch.comm; comm runs without perf."""
+    from pathlib import Path
+
+    import largebatch.comm
+
+    for path in Path(largebatch.comm.__file__).parent.glob("*.py"):
+        assert "from largebatch.perf" not in path.read_text() and "import largebatch.perf" not in path.read_text(), path
 
 
 def test_fit_link_recovers_alpha_and_bandwidth() -> None:

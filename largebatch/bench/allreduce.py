@@ -15,7 +15,7 @@
 3. Report in the nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(p-1)/p,
    and busbw relative to ``native`` at the same size.
 4. Predict each algorithm's time from measured *links*, not from its own timings
-   (`largebatch.comm.cost`): time one p2p step (`largebatch.comm.p2p.exchange`, all
+   (`largebatch.perf.measured`): time one p2p step (`largebatch.comm.p2p.exchange`, all
    ranks at once) on the intra-node ring and, with 2+ nodes, across nodes, for message
    sizes 1 KB .. half the largest size; fit alpha and bandwidth per link; time ``add_``
    for gamma; then `largebatch.perf`'s cost function of each algorithm on that
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from largebatch import comm
 from largebatch.bench import machine
 from largebatch.cli import ArgumentParser
-from largebatch.comm import cost
+from largebatch.perf import measured as cost
 from largebatch.errors import UserError
 
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -324,8 +324,11 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
         f = links.get(name)
         return Link(name, f["alpha_s"], f["bandwidth_Bps"]) if f else None
 
+    import torch.distributed as dist
+
     intra = link("intra") or link("inter")
     topo = cost.topology(p, k, intra, link("inter"), links["gamma_s_per_byte"])
+    backend = "nccl" if dist.is_initialized() and dist.get_backend() == "nccl" else "gloo"
     small = SMALL_BYTES if args.small_bytes is None else args.small_bytes
     fits: dict[str, dict] = {}
     for r in rows:
@@ -334,7 +337,8 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
             r["predicted_s"] = None                                   # no model for a non-physical node size
             continue
         r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
-                                        small_bytes=0 if name == "native" else small, pipeline=args.pipeline)
+                                        small_bytes=0 if name == "native" else small, pipeline=args.pipeline,
+                                        backend=backend)
         r["error"] = r["predicted_s"] / r["time_s"] - 1
         r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
         f = fits.setdefault(name, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})

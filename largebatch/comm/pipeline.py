@@ -54,7 +54,7 @@ Cross = Callable[[torch.Tensor, list[int], int, Optional[dist.ProcessGroup], Cod
 
 def pieces_for(pieces: Optional[int], nbytes: float) -> int:
     """The piece count of a CPU tensor of ``nbytes``: ``pieces`` as given, or one per `PIECE_BYTES`
-    (1..`MAX_PIECES`) for None. The performance model (`largebatch.comm.cost`) uses it too."""
+    (1..`MAX_PIECES`) for None. The performance model (`largebatch.perf.measured`) uses it too."""
     if pieces is None:
         return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
     return max(1, int(pieces))

@@ -42,6 +42,7 @@ from largebatch.perf.topology import Topology
 
 ALGORITHMS = ("native", "ring", "halving_doubling", "torus2d", "hierarchical", "tree")
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -86,18 +87,24 @@ class Prediction:
         return asdict(self)
 
 
-def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None) -> float:
-    """Seconds for one all-reduce of `nbytes` with `algorithm` on `topo` (step 3)."""
+def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None, *,
+                   inter: str = "halving_doubling", pieces: int = 1, backend: str = "nccl") -> float:
+    """Seconds for one all-reduce of `nbytes` with `algorithm` on `topo` (step 3): the one place that maps
+    algorithm names to cost functions, for `plan` and for `largebatch bench allreduce`'s predictions
+    (`largebatch.perf.measured`). `native` is the backend's own all-reduce: NCCL's faster of ring and tree
+    per message, gloo's ring."""
     if algorithm == "native":
-        return min(ring.cost(nbytes, topo), tree.cost(nbytes, topo))
+        if backend not in BACKENDS:
+            raise ValueError(f"no native all-reduce model for backend {backend!r}")
+        return ring.cost(nbytes, topo) if backend == "gloo" else min(ring.cost(nbytes, topo), tree.cost(nbytes, topo))
     if algorithm == "ring":
         return ring.cost(nbytes, topo)
     if algorithm == "halving_doubling":
         return halving_doubling.cost(nbytes, topo)
     if algorithm == "torus2d":
-        return torus2d.cost(nbytes, topo, torus_x)
+        return torus2d.cost(nbytes, topo, torus_x, pieces)
     if algorithm == "hierarchical":
-        return hierarchical.cost(nbytes, topo)
+        return hierarchical.cost(nbytes, topo, inter, pieces)
     if algorithm == "tree":
         return tree.cost(nbytes, topo)
     raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")

@@ -1,6 +1,6 @@
-"""Predicted time of each all-reduce from measured links, with `largebatch.perf`'s cost functions.
+"""Predicted time of each all-reduce of `largebatch.comm` from measured links (`largebatch bench allreduce`).
 
-One cost model serves the planner and this package: `largebatch.perf` describes each algorithm
+One cost model serves the planner and the benchmark: `largebatch.perf` describes each algorithm
 as a sequence of steps on a two-level topology (`largebatch.perf.topology`: alpha + bytes / B
 per step on intra-node and inter-node links, flows leaving a node share its links, gamma per
 reduced byte), and its ring / halving_doubling / torus2d / hierarchical functions follow the
@@ -20,9 +20,11 @@ same steps as the files of `largebatch.comm`. Here:
    grows faster than linearly once messages leave the caches). gamma likewise comes from the
    adds of >= `LARGE_BYTES` (out of cache, every rank adding at once).
 3. `topology`: the perf `Topology` of the run (p ranks, K per node, the two links, gamma).
-4. `predict`: the perf cost function of the algorithm on that topology; ``native`` (gloo's or
-   NCCL's own all-reduce) is modelled as a ring; a p2p algorithm below its ``small_bytes``
-   threshold runs ``native`` (the small-message fast path) and is predicted as such.
+4. `predict`: the options of the implementation (torus grid, inter-node algorithm, pipeline
+   pieces, the small-message fast path: a p2p algorithm below its ``small_bytes`` threshold runs
+   ``native``) resolved as `largebatch.comm` resolves them, then `largebatch.perf.model.allreduce_time`,
+   the planner's one dispatch of algorithm names to cost functions (``native`` as the backend runs it:
+   gloo's ring, or NCCL's faster of ring and tree).
 
 So each algorithm's prediction is a prediction: no timing of that algorithm goes into it.
 """
@@ -32,7 +34,6 @@ from typing import Optional, Sequence
 
 from largebatch.comm.pipeline import pieces_for
 from largebatch.comm.topology import parse_grid
-from largebatch.perf import halving_doubling, hierarchical, ring, torus2d
 from largebatch.perf.catalog import Link
 from largebatch.perf.topology import Topology
 
@@ -105,7 +106,7 @@ def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma:
 
 def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] = None,
             inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None,
-            pipeline: Optional[int] = None) -> float:
+            pipeline: Optional[int] = None, backend: str = "gloo") -> float:
     """Step 4: predicted seconds of one all-reduce of ``nbytes`` on ``topo``.
 
     ``grid`` (torus2d "XxY") defaults to K x nodes like the implementation; ``local_size``, when
@@ -114,16 +115,12 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
     """
     if local_size is not None and local_size != topo.devices_per_node:
         raise ValueError(f"local_size {local_size} differs from the topology's {topo.devices_per_node}")
+    from largebatch.perf.model import allreduce_time
+
     if algorithm != "native" and nbytes < small_bytes:
         algorithm = "native"                                     # the small-message fast path
-    if algorithm in ("native", "ring"):
-        return ring.cost(nbytes, topo)
-    if algorithm == "halving_doubling":
-        return halving_doubling.cost(nbytes, topo)
-    pieces = pieces_for(pipeline, nbytes)
+    torus_x = None
     if algorithm == "torus2d":
-        x = parse_grid(grid)[0] if grid else topo.devices_per_node
-        return torus2d.cost(nbytes, topo, x, pieces)
-    if algorithm == "hierarchical":
-        return hierarchical.cost(nbytes, topo, inter, pieces)
-    raise ValueError(f"no cost model for {algorithm!r}")
+        torus_x = parse_grid(grid)[0] if grid else topo.devices_per_node
+    pieces = pieces_for(pipeline, nbytes) if algorithm in ("torus2d", "hierarchical") else 1
+    return allreduce_time(algorithm, nbytes, topo, torus_x, inter=inter, pieces=pieces, backend=backend)
