@@ -11,7 +11,7 @@ import pytest
 from largebatch import cli
 from largebatch.errors import UserError
 from largebatch.perf import ALGORITHMS, allreduce_time, halving_doubling, hierarchical, predict, ring, torus2d, tree
-from largebatch.perf.catalog import Link, get_device, get_link, load_catalog
+from largebatch.perf.catalog import Link, get_device, get_link, load_catalog, stack_factor
 from largebatch.perf.model import bucket_sizes, overlap
 from largebatch.perf.topology import Topology
 
@@ -193,6 +193,40 @@ def test_every_catalog_figure_has_a_source():
             assert 0 < get_device(key, prec).eff_max < 1, (key, prec)
     for key, link in cat["links"].items():
         assert link.get("source"), key
+    for key, stack in cat["stacks"].items():
+        assert stack.get("source") and 0.2 < stack_factor(key) <= 1.2, key
+
+
+def test_stack_factor_reproduces_its_single_gpu_figure_and_scales_speed():
+    """A stack's factor comes from one single-GPU figure; it multiplies the device's speed and nothing else."""
+    ref = load_catalog()["stacks"]["dle-pytorch-2021"]["reference"]
+    kw = dict(model="resnet50", device="v100", devices=1, global_batch=ref["batch"], precision="fp16")
+    assert predict(stack="dle-pytorch-2021", **kw).images_per_s == pytest.approx(ref["images_per_s"], rel=1e-9)
+    base, slow = predict(**kw), predict(stack="stack-2018", **kw)
+    assert slow.images_per_s == pytest.approx(base.images_per_s * stack_factor("stack-2018"), rel=1e-9)
+    assert predict(**kw).stack == "mlperf-2020" and stack_factor("mlperf-2020") == 1.0
+    with pytest.raises(UserError, match="unknown software stack 'tf1'; choose one of: dle-mxnet-2020"):
+        predict(stack="tf1", **kw)
+
+
+def test_h100_is_a_measured_ratio_of_the_a100():
+    kw = dict(model="resnet50", devices=1, global_batch=256, precision="fp16")
+    h, a = predict(device="h100", **kw), predict(device="a100", **kw)
+    assert h.images_per_s == pytest.approx(1.654 * a.images_per_s, rel=1e-9)
+
+
+def test_validation_fits_compute_to_single_nodes_only():
+    """No multi-node run is a FIT row; every FIT row reproduces its figure; the summary counts validations."""
+    from largebatch.perf import validate
+
+    rs = validate.rows()
+    for r in rs:
+        if r.role.startswith("FIT"):
+            assert not any(w in r.setup for w in ("1,024", "2,176", "2,048 V100", "640", "256 P100")), r.setup
+            if "KNL" not in r.setup:
+                assert abs(r.error) < 0.01, r
+    ok, n = validate.summary(rs)
+    assert n >= 15 and ok == sum(abs(r.error) <= 0.25 for r in rs if r.role == "validation")
 
 
 def test_native_is_the_faster_of_ring_and_tree_per_message():

@@ -5,8 +5,11 @@
    `~/.cache/largebatch/this_machine.yaml`, written by `largebatch plan --calibrate`), so that a
    measured "this-machine" device and "loopback" link become known names.
 3. Resolve a device's compute curve for one precision: `eff_max` given directly, derived from a
-   `reference` (measured images/s of a model at a per-device batch, with that model's FLOPs), or
-   carried over from another device (`eff_max_from`).
+   `reference` (measured images/s of a model at a per-device batch, with that model's FLOPs),
+   carried over from another device (`eff_max_from`), or a measured speed ratio to another device
+   on one software stack (`speed_of`).
+4. Resolve a software stack's factor on eff_max (`stacks`): given, or a single-GPU figure of that
+   stack against the device curve (which describes the reference stack).
 """
 from __future__ import annotations
 
@@ -120,6 +123,14 @@ def _eff_max(key: str, precision: str, seen: tuple[str, ...] = ()) -> tuple[floa
     b_half = float(c.get("b_half", 0.0))
     if "eff_max" in c:
         return float(c["eff_max"]), b_half, str(c.get("source", ""))
+    if "speed_of" in c:
+        other = c["speed_of"]["device"]
+        if other in seen:
+            raise ValueError(f"catalog cycle in speed_of: {seen + (other,)}")
+        eff, _, _ = _eff_max(other, precision, seen + (key,))
+        ratio = float(c["speed_of"]["ratio"])
+        peak_other = float(devices[other]["peak_tflops"][precision])
+        return eff * ratio * peak_other / float(entry["peak_tflops"][precision]), b_half, str(c.get("source", ""))
     if "eff_max_from" in c:
         other = c["eff_max_from"]
         if other in seen:
@@ -152,3 +163,28 @@ def get_device(key: str, precision: str) -> Device:
                   gamma_s_per_byte=3.0 / (float(entry["memory_gbs"]) * 1e9),
                   purchase_usd=entry.get("purchase_usd"), default_intra=str(entry.get("default_intra", "none")),
                   source=source)
+
+
+DEFAULT_STACK = "mlperf-2020"
+
+
+def stack_factor(name: str) -> float:
+    """Step 4: the factor on eff_max of software stack `name` (the device curves describe DEFAULT_STACK)."""
+    stacks = load_catalog().get("stacks", {})
+    if name not in stacks:
+        raise UserError(f"unknown software stack {name!r}; choose one of: {', '.join(sorted(stacks))}.")
+    entry = stacks[name]
+    if "factor" in entry:
+        return float(entry["factor"])
+    from largebatch.perf.flops import model_cost
+
+    ref = entry["reference"]
+    dev = get_device(ref["device"], ref["precision"])
+    cost = model_cost("resnet50", 224, 3, 1000, "imagenet", 64)
+    b = float(ref["batch"])
+    curve = b / (3.0 * cost.forward_flops / (dev.peak_flops * dev.eff_max) * (b + dev.b_half))
+    return float(ref["images_per_s"]) / curve
+
+
+def stack_names() -> list[str]:
+    return sorted(load_catalog().get("stacks", {}))

@@ -39,6 +39,8 @@ def _parser() -> ArgumentParser:
     a("--epochs", type=float, default=90.0, help="training epochs")
     a("--dataset-size", type=int, default=1281167, help="training images per epoch (ImageNet-1k: 1,281,167)")
     a("--precision", default="fp16", help="training precision: the device's peak for it from the catalog")
+    a("--stack", default="mlperf-2020",
+      help="software stack: its factor on the device's speed (see --list; default: MLPerf v0.7-class, the catalog's)")
     a("--eval-every", type=float, default=4.0,
       help="epochs between evaluation passes, counted in time-to-train (MLPerf: 4; 0 leaves evaluation out)")
     a("--eval-images", type=int, default=50000, help="images of one evaluation pass (ImageNet-1k validation: 50,000)")
@@ -50,7 +52,6 @@ def _parser() -> ArgumentParser:
     a("--sweep", default=None, help="devices=LO:HI (powers of two times devices per node)")
     a("--out", default="runs/plan", help="where --sweep writes its PNGs")
     a("--validate", action="store_true", help="the model against published runs")
-    a("--refit", action="store_true", help="with --validate: re-derive the fitted V100 b_half")
     a("--calibrate", action="store_true",
       help="measure this machine into the user catalog, for the model given by --model/--stem/--width/"
            "--in-channels/--image-size/--num-classes/--precision (pass those of your training run)")
@@ -68,7 +69,7 @@ def _kwargs(args) -> dict:
                 num_classes=args.num_classes, stem=args.stem, width=args.width, bucket_mb=args.bucket_mb,
                 overlap_comm=not args.no_overlap, torus_x=args.torus_x,
                 price_per_device_hour=args.price_per_device_hour, purchase_price=args.purchase_price,
-                eval_every=args.eval_every, eval_images=args.eval_images)
+                eval_every=args.eval_every, eval_images=args.eval_images, stack=args.stack)
 
 
 def _hms(s: float) -> str:
@@ -205,6 +206,8 @@ def main(argv: list[str]) -> int:
         print("devices:    " + ", ".join(sorted(cat["devices"])))
         print("links:      " + ", ".join(sorted(cat["links"])))
         print("algorithms: " + ", ".join(ALGORITHMS))
+        from largebatch.perf.catalog import stack_factor, stack_names
+        print("stacks:     " + ", ".join(f"{n} (x{stack_factor(n):.2f})" for n in stack_names()))
         return 0
     if args.calibrate:
         from largebatch.perf import calibrate
@@ -220,8 +223,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps([{**r.__dict__, "error": r.error} for r in rs], indent=2))
         else:
             validate.table(rs)
-        if args.refit:
-            print(f"fitted V100 fp16 b_half: {validate.fit_v100_b_half():.0f}")
+            ok, n = validate.summary(rs)
+            print(f"\n{ok} of {n} validation rows within 25% of the published figure.")
         return 0
     if args.sweep:
         return _sweep(args)

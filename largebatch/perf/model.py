@@ -1,7 +1,8 @@
 """The performance model: step time, throughput, scaling efficiency, time-to-train and cost.
 
 1. Compute. Forward FLOPs F per image come from the model definition (`flops.model_cost`).
-   On a device of peak P at precision q with fraction-of-peak eff_max, one image of training
+   On a device of peak P at precision q with fraction-of-peak eff_max (the catalog's curve, for the
+   reference software stack, times the factor of the run's `stack`), one image of training
    costs t_img = 3F / (P eff_max), and a step of b images per device costs
    t_c(b) = t_img (b + b_half): the efficiency against the per-device batch is
    eff_max * b / (b + b_half), half of eff_max at b = b_half. Forward is t_c/3, backward 2t_c/3.
@@ -31,12 +32,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from largebatch.errors import UserError
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
-from largebatch.perf.catalog import Device, get_device, get_link
+from largebatch.perf.catalog import DEFAULT_STACK, Device, get_device, get_link, stack_factor
 from largebatch.perf.flops import model_cost
 from largebatch.perf.topology import Topology
 
@@ -80,6 +81,7 @@ class Prediction:
     device_hours: float
     cost_usd: float | None
     hardware_usd: float | None
+    stack: str = DEFAULT_STACK
     torus_grid: list[int] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -151,7 +153,8 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
             precision: str = "fp16", image_size: int = 224, in_channels: int = 3, num_classes: int = 1000,
             stem: str = "imagenet", width: int = 64, bucket_mb: float = 25.0, overlap_comm: bool = True,
             torus_x: int | None = None, price_per_device_hour: float | None = None,
-            purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000) -> Prediction:
+            purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000,
+            stack: str = DEFAULT_STACK) -> Prediction:
     """Predict one training plan (steps 1-7); impossible plans raise UserError."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
@@ -179,6 +182,9 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         raise UserError(f"evaluation every {eval_every} epochs over {eval_images} images: give non-negative "
                         "numbers (0 leaves evaluation out).")
     dev = get_device(device, precision)
+    factor = stack_factor(stack)
+    if factor != 1.0:
+        dev = replace(dev, eff_max=dev.eff_max * factor)
     intra, _ = get_link(intra_node or dev.default_intra)
     inter, mult = get_link(inter_node)
     g = min(devices_per_node, devices)
@@ -225,4 +231,5 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         mfu=3.0 * cost.forward_flops * global_batch / step / (devices * dev.peak_flops),
         steps_per_epoch=steps_per_epoch, epochs=epochs, eval_time_s=eval_s, time_to_train_s=ttt, device_hours=hours,
         cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
-        hardware_usd=None if price is None else devices * float(price), torus_grid=grid, notes=notes)
+        hardware_usd=None if price is None else devices * float(price), stack=stack, torus_grid=grid,
+        notes=notes)
