@@ -139,6 +139,12 @@ class CommConfig:
     grid: Optional[str] = _doc(None, "torus2d grid 'XxY' (default: processes per node x nodes)")
     pipeline: Optional[int] = _doc(None, "torus2d/hierarchical: pieces per bucket overlapped across the two levels "
                                          "(null = one per 4 MB, 1 = off)")
+    impl: Optional[str] = _doc(None, "torus2d/hierarchical: 'native' (the backend's reduce-scatter, all-reduce and "
+                                     "all-gather, future-chained, no thread) or 'p2p' (point-to-point steps; the default)")
+    local_size: Optional[int] = _doc(None, "hierarchical: processes per node (default: torchrun's LOCAL_WORLD_SIZE)")
+    inter: Optional[str] = _doc(None, "hierarchical: cross-node all-reduce, halving_doubling (default), ring or native")
+    small_bytes: Optional[int] = _doc(None, "p2p algorithms: buckets below this many bytes use native "
+                                            "(default 256 KiB, 0 = off)")
     timeout_s: float = _doc(600.0, "collective timeout; when it fires the error names the missing ranks")
 
 
@@ -350,11 +356,11 @@ POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train
             "optim.lr", "optim.reference_batch", "optim.trust_coefficient",
             "schedule.epochs", "schedule.gamma", "schedule.power",
             "train.threads", "train.max_steps", "train.log_every", "train.keep_checkpoints",
-            "comm.bucket_mb", "comm.timeout_s", "comm.pipeline",
+            "comm.bucket_mb", "comm.timeout_s", "comm.pipeline", "comm.local_size",
             "ensemble.cycle_epochs", "ensemble.cycle_lr_factor", "ensemble.collapse_wd_factor")
 NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.eps",
                 "schedule.warmup_epochs", "schedule.warmup_start_lr", "schedule.end_lr",
-                "train.seed", "train.eval_every", "train.checkpoint_every", "train.max_nonfinite",
+                "train.seed", "train.eval_every", "train.checkpoint_every", "train.max_nonfinite", "comm.small_bytes",
                 "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")
 
 

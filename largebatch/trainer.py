@@ -139,14 +139,12 @@ class Trainer:
                 **_no_buffer_broadcast())   # BN statistics per worker (Goyal); averaged before eval/checkpoints
             if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
                 from largebatch.comm import register
+                from largebatch.comm.hook import CommHookState
 
-                options = {"compression": cfg.comm.compression}
-                if cfg.comm.grid:
-                    options["grid"] = cfg.comm.grid
-                if cfg.comm.pipeline is not None:
-                    options["pipeline"] = cfg.comm.pipeline
-                options["timeout_s"] = cfg.comm.timeout_s
-                self.comm_state = register(self.ddp, cfg.comm.algorithm, **options)
+                # every hook field of the config section, as it is (None = the algorithm's default)
+                options = {k: getattr(cfg.comm, k) for k in CommHookState.FIELDS if k != "algorithm"}
+                self.comm_state = register(self.ddp, cfg.comm.algorithm,
+                                           **{k: v for k, v in options.items() if v is not None})
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
 
         # 7. optimizer (lr set per step from the plan)

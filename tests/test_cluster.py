@@ -235,12 +235,18 @@ def test_inter_node_rate_is_shaped_and_intra_node_is_not(check_script: Path) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_training_steps_across_two_hosts(tmp_path: Path) -> None:
-    r = _run("--nodes", "2", "--procs-per-node", "1", "--", "train", "fashion_mnist",
+    """2 hosts x 2 processes, the gradients averaged by the native-composed hierarchical hook (the backend's
+    reduce-scatter in a node, all-reduce across, all-gather in a node; no communication thread)."""
+    r = _run("--nodes", "2", "--procs-per-node", "2", "--", "train", "fashion_mnist",
              "--set", "train.max_steps=2", "--set", "schedule.epochs=1",
-             "--set", "model.name=resnet18", "--set", "model.width=8",
+             "--set", "model.name=resnet18", "--set", "model.width=8", "--set", "batch.global_batch=64",
+             "--set", "comm.algorithm=hierarchical", "--set", "comm.impl=native", "--set", "comm.inter=native",
+             "--set", "comm.small_bytes=0", "--set", "train.log_every=1",
              timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "[node 0]" in r.stdout and "[node 1]" in r.stdout
+    runs = list(tmp_path.glob("runs/*/summary.json"))
+    assert len(runs) == 1 and json.loads(runs[0].read_text())["world_size"] == 4
     assert _namespaces_of(_run_id(r.stderr)) == []
 
 

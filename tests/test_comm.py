@@ -92,14 +92,18 @@ def _check_ddp(p: int, rank: int) -> None:
         return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
                                    torch.nn.Flatten(), torch.nn.Linear(128, 10))
 
-    def grads(hook: str | None, compression: str = "none") -> list[list[torch.Tensor]]:
+    def grads(hook: str | None, compression: str = "none", **extra) -> list[list[torch.Tensor]]:
         net = DDP(model(), bucket_cap_mb=0.002)
         fast_path_off = {} if hook in (None, "noop", "native") else {"small_bytes": 0}   # tiny buckets: run the algorithm
         if hook == "torus2d":                            # one rank per row: the column step is the whole world,
             fast_path_off.update(grid=f"1x{p}", pipeline=2)   # pipelined on the cross-level worker thread
         if hook == "hierarchical":                       # one rank per "node", likewise
             fast_path_off.update(local_size=1, pipeline=2)
+        fast_path_off.update(extra)
         state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
+        if state is not None and hook != "noop":         # the backend's own collectives need no thread
+            assert (state._thread is None) == state.chained, (hook, extra)
+            assert state.chained == (hook == "native" or extra.get("impl") == "native"), (hook, extra)
         out = []
         for it in range(2):
             g = torch.Generator().manual_seed(100 * it + rank)
@@ -126,15 +130,19 @@ def _check_ddp(p: int, rank: int) -> None:
         assert all(torch.allclose(a, q.grad, rtol=1e-6, atol=1e-7) for a, q in zip(local[it], plain.parameters()))
     biggest = torch.tensor([max(float(t.abs().max()) for t in local[1] + local[0])])
     dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
-    for algorithm in comm.ALGORITHMS:
+    native_composed = [("torus2d", {"impl": "native", "grid": f"{p}x1"}),      # the row step is the world
+                       ("torus2d", {"impl": "native"}),                          # 1 x p: the column step is
+                       ("hierarchical", {"impl": "native", "local_size": p, "inter": "native"}),
+                       ("hierarchical", {"impl": "native", "inter": "halving_doubling"})]
+    for algorithm, extra in [(a, {}) for a in comm.ALGORITHMS] + native_composed:
         for compression in COMPRESSIONS:
-            got = grads(algorithm, compression)
+            got = grads(algorithm, compression, **extra)
             atol = 1e-6 if compression == "none" else (p + 3) * UNIT_ROUNDOFF[compression] * float(biggest)
             for it in range(2):
                 for a, b in zip(got[it], ref[it]):
                     assert torch.allclose(a, b, rtol=1e-5 if compression == "none" else 0, atol=atol), \
-                        f"DDP {algorithm}/{compression} iteration {it}: max diff {float((a - b).abs().max()):.3g}"
-                    assert _same_on_all_ranks(a), f"DDP {algorithm}/{compression}: replicas differ"
+                        f"DDP {algorithm} {extra}/{compression} iteration {it}: max diff {float((a - b).abs().max()):.3g}"
+                    assert _same_on_all_ranks(a), f"DDP {algorithm} {extra}/{compression}: replicas differ"
 
 
 def _check_errors(p: int, rank: int) -> None:
@@ -146,6 +154,8 @@ def _check_errors(p: int, rank: int) -> None:
         (lambda: comm.allreduce(x, "ring", grid="2x2"), "do not apply"),
         (lambda: comm.allreduce(x, "hierarchical", pipeline=0), "pipeline=0"),
         (lambda: comm.allreduce(x, "ring", pipeline=2), "do not apply"),
+        (lambda: comm.allreduce(x, "torus2d", impl="nccl"), "impl='nccl' is unknown"),
+        (lambda: comm.allreduce(x, "ring", impl="native"), "do not apply"),
         (lambda: comm.allreduce(torch.ones(3, dtype=torch.int32), "ring", compression="fp16"), "floating-point"),
     ]:
         with pytest.raises(UserError, match=needle):
@@ -185,6 +195,20 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
                 case += 1
                 _check(p, rank, 65537, case, "hierarchical", local_size=k, inter=inter, pipeline=4)
             _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, pipeline=3)
+        # native-composed two-level forms (the backend's reduce-scatter / all-reduce / all-gather)
+        for grid in GRIDS[p]:
+            for n, pieces in ((p + 1, 1), (65537, 1), (65537, 3), (p + 1, 7)):
+                case += 1
+                _check(p, rank, n, case, "torus2d", grid=grid, impl="native", pipeline=pieces)
+            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid, impl="native", pipeline=2)
+            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, impl="native")
+            _check(p, rank, 1009, case, "torus2d", grid=grid, impl="native", dtype=torch.int64)
+        for k in LOCAL_SIZES[p]:
+            for inter in ("native", "halving_doubling", "ring"):
+                for n, pieces in ((1009, 1), (65537, 3)):
+                    case += 1
+                    _check(p, rank, n, case, "hierarchical", local_size=k, inter=inter, impl="native", pipeline=pieces)
+            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, impl="native", inter="native")
         for algorithm in comm.ALGORITHMS:
             for dtype in (torch.int32, torch.int64, torch.float64):
                 case += 1

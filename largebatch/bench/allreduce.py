@@ -89,7 +89,8 @@ def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="largebatch bench allreduce", description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=4, help="local worker processes when not under torchrun")
     ap.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
-                    help="algorithms to run (native is always added as the reference)")
+                    help="algorithms to run (native is always added as the reference); torus2d:native and "
+                         "hierarchical:native run the backend-composed implementation")
     ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     ap.add_argument("--sizes", default="4KB:64MB", help="LO:HI[:FACTOR] or a comma list (bytes, KB, MB, GB)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: by size)")
@@ -117,7 +118,8 @@ def _validate(args: Any) -> None:
     if args.nproc < 2:
         raise UserError(f"--nproc {args.nproc}: an all-reduce needs at least 2 processes.")
     for name in args.algorithms:
-        comm.resolve(name, {})
+        base, impl = split_name(name)
+        comm.resolve(base, impl_options(base, impl))
     if args.iters is not None and args.iters < 1:
         raise UserError("--iters must be at least 1.")
     args.size_list = parse_sizes(args.sizes)
@@ -193,8 +195,23 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def split_name(name: str) -> tuple[str, str | None]:
+    """``torus2d:native`` -> (``torus2d``, ``native``): an algorithm and its implementation (``impl``)."""
+    base, _, impl = name.partition(":")
+    return base, impl or None
+
+
+def impl_options(name: str, impl: str | None) -> dict[str, Any]:
+    """The options of an implementation: hierarchical:native runs every step, the cross-node one too, as
+    the backend's collectives."""
+    if not impl:
+        return {}
+    return {"impl": impl, **({"inter": "native"} if name == "hierarchical" and impl == "native" else {})}
+
+
 def _options(name: str, args: Any) -> dict[str, Any]:
-    opts: dict[str, Any] = {"compression": args.compression}
+    name, impl = split_name(name)
+    opts: dict[str, Any] = {"compression": args.compression, **impl_options(name, impl)}
     if name != "native":
         opts["small_bytes"] = args.small_bytes
     if name == "torus2d":
@@ -251,12 +268,13 @@ def measure(args: Any, device: torch.device, p: int) -> list[dict[str, Any]]:
         for _ in range(max(1, args.rounds)):
             for name in names:
                 opts = _options(name, args)
+                base = split_name(name)[0]
                 for _ in range(args.warmup):
-                    comm.allreduce(x, name, **opts)
+                    comm.allreduce(x, base, **opts)
                 dist.barrier()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                t, med = _timed(lambda: comm.allreduce(x, name, **opts), iters, device)
+                t, med = _timed(lambda: comm.allreduce(x, base, **opts), iters, device)
                 means[name].append(t)
                 medians[name].append(med)
         for name in names:
@@ -332,7 +350,8 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
     small = SMALL_BYTES if args.small_bytes is None else args.small_bytes
     fits: dict[str, dict] = {}
     for r in rows:
-        name = r["algorithm"]
+        full = r["algorithm"]
+        name = split_name(full)[0]        # the native-composed form makes the same steps: one model
         if name == "hierarchical" and args.local_size not in (None, k):
             r["predicted_s"] = None                                   # no model for a non-physical node size
             continue
@@ -341,7 +360,7 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
                                         backend=backend)
         r["error"] = r["predicted_s"] / r["time_s"] - 1
         r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
-        f = fits.setdefault(name, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
+        f = fits.setdefault(full, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
         f["max_abs_error"] = max(f["max_abs_error"], abs(r["error"]))
         f["points"] += 1
         f["within_25pct"] += abs(r["error"]) <= 0.25
@@ -443,7 +462,9 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
         torch.manual_seed(0)
         net = _model(width).to(device)
         ddp = DDP(net, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None)
-        state = None if hook == "ddp" else comm.register(ddp, hook, compression=compression)
+        base, impl = split_name(hook)
+        opts = impl_options(base, impl)
+        state = None if hook == "ddp" else comm.register(ddp, base, compression=compression, **opts)
         runs.append((hook, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)))
 
     def step(ddp: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -13,7 +13,9 @@ hierarchical       node reduce-scatter, cross-node all-reduce, node all-gather
 
 Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
 `largebatch.comm.compression`), ``grid="XxY"`` (torus2d), ``local_size=K`` and
-``inter=halving_doubling|ring|native`` (hierarchical), ``pipeline=N`` (torus2d and
+``inter=halving_doubling|ring|native`` (hierarchical), ``impl=p2p|native`` (torus2d and
+hierarchical: point-to-point steps, or composed of the backend's own collectives,
+`largebatch.comm.composed`), ``pipeline=N`` (torus2d and
 hierarchical: pieces overlapped across the two levels, `largebatch.comm.pipeline`;
 default one per 4 MB, 1 = no overlap), ``small_bytes=B`` (every
 p2p algorithm: tensors of fewer than ``B`` bytes go to ``native`` instead, the
@@ -59,10 +61,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "native": {},
     "ring": {"small_bytes": SMALL_BYTES},
     "halving_doubling": {"small_bytes": SMALL_BYTES},
-    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES},
-    "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES},
+    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES, "impl": "p2p"},
+    "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES,
+                     "impl": "p2p"},
 }
 HOOK_ONLY = ("noop",)
+IMPLS = ("p2p", "native")   # torus2d / hierarchical: point-to-point steps, or the backend's collectives
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
     if "inter" in merged and merged["inter"] not in hierarchical.INTER:
         raise UserError(f"hierarchical inter={merged['inter']!r} is unknown; "
                         f"choose one of: {', '.join(hierarchical.INTER)}.")
+    if "impl" in merged and merged["impl"] not in IMPLS:
+        raise UserError(f"impl={merged['impl']!r} is unknown; choose one of: {', '.join(IMPLS)} "
+                        "(native: the backend's reduce-scatter / all-reduce / all-gather, p2p: point-to-point steps).")
     if "small_bytes" in merged:
         sb = merged["small_bytes"]
         if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:

@@ -28,15 +28,17 @@ def members(group: Optional[dist.ProcessGroup]) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def partition_group(group: Optional[dist.ProcessGroup], blocks: list[list[int]]
+def partition_group(group: Optional[dist.ProcessGroup], blocks: list[list[int]], tag: str = ""
                     ) -> tuple[Optional[dist.ProcessGroup], list[int], int]:
     """The sub-group of the block holding this rank, its global ranks, and this rank's index in it.
 
     ``blocks`` partitions the group ranks ``0..len(group)-1``; block members are
-    translated to global ranks. Returns ``(subgroup, global_ranks, index)``.
+    translated to global ranks. Returns ``(subgroup, global_ranks, index)``. A different
+    ``tag`` gives a second, separate set of groups for the same partition (the native-composed
+    hook's all-gather groups, `largebatch.comm.composed`).
     """
     parent = members(group)
-    key = (_key(group), tuple(tuple(b) for b in blocks))
+    key = (_key(group), tuple(tuple(b) for b in blocks), tag)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit

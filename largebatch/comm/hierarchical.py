@@ -20,6 +20,11 @@ Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default 
 piece per 4 MB, see `largebatch.comm.pipeline`), so the in-node steps of one piece
 overlap the cross-node all-reduce of another.
 
+``impl="native"`` runs steps 1 and 3 as the backend's ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` on the node group, and step 2 as its ``all_reduce`` (``inter="native"``)
+or the p2p algorithm named by ``inter`` (`largebatch.comm.composed`); ``impl="p2p"`` (the
+default) runs steps 1 and 3 as point-to-point rings.
+
 Differs from `torus2d` (same data movement with a ring across nodes) by the
 cross-node algorithm: with halving/doubling its latency term is
 ``2 log2(nodes)`` instead of ``2(nodes - 1)``.
@@ -31,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from largebatch.comm import halving_doubling, native, ring
-from largebatch.comm.pipeline import resolve_pieces, two_level
+from largebatch.comm import composed, halving_doubling, native, ring
+from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
 from largebatch.comm.compression import Codec
 from largebatch.comm.groups import partition_group
 from largebatch.comm.topology import cross_blocks, node_blocks, resolve_local_size
@@ -41,17 +46,23 @@ from largebatch.errors import UserError
 INTER = {"halving_doubling": halving_doubling.allreduce, "ring": ring.allreduce, "native": native.allreduce}
 
 
-def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[int]) -> tuple:
-    """Create (once) and return ``(node, cross)`` as ``(subgroup, global_ranks, index)`` triples."""
+def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[int], gather: bool = False) -> tuple:
+    """Create (once) and return ``(node, cross)`` as ``(subgroup, global_ranks, index)`` triples, and with
+    ``gather`` a second copy of the node groups (the native-composed hook's all-gather groups)."""
     k = resolve_local_size(local_size, world)
-    return partition_group(group, node_blocks(k, world)), partition_group(group, cross_blocks(k, world))
+    out = partition_group(group, node_blocks(k, world)), partition_group(group, cross_blocks(k, world))
+    return out + (partition_group(group, node_blocks(k, world), tag="gather"),) if gather else out
 
 
 def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
               codec: Codec, local_size: Optional[int] = None, inter: str = "halving_doubling",
-              pipeline: Optional[int] = None) -> None:
+              pipeline: Optional[int] = None, impl: str = "p2p") -> None:
     """Sum ``flat`` in place over ``group`` with ``local_size`` ranks per node (steps 1-3)."""
     if inter not in INTER:
         raise UserError(f"hierarchical inter={inter!r} is unknown; choose one of: {', '.join(INTER)}.")
     node, cross = setup(group, len(ranks), local_size)
+    if impl == "native":
+        composed.allreduce(flat, node, cross, codec, composed_pieces(pipeline, flat),
+                           None if inter == "native" else INTER[inter])
+        return
     two_level(flat, node, cross, INTER[inter], codec, resolve_pieces(pipeline, flat))

@@ -27,6 +27,11 @@ with a ``torch.futures.Future`` that the thread completes. Why a thread:
 5. The thread divides the summed bucket by the world size (DDP averages); lossy
    compression pre-divides instead (no fp16 overflow) and skips the multiply.
 
+``native``, and ``torus2d`` / ``hierarchical`` with ``impl="native"``, need none of this: their
+steps are the backend's own asynchronous collectives, so the hook issues the first one and returns
+its future, chained with ``then`` to the next steps (`largebatch.comm.composed`), as torch's own
+``allreduce_hook`` and PowerSGD hook do. No thread is started for them.
+
 The state (`CommHookState`) holds only validated, picklable fields; its process
 group, sub-groups and thread are runtime resources that ``__getstate__`` drops,
 so the state can be checkpointed and re-installed with `register`.
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch.comm import Spec, resolve, run, setup
+from largebatch.comm.compression import get_codec
 from largebatch.comm.groups import members
 
 
@@ -46,28 +52,37 @@ class CommHookState:
     """Validated hook configuration plus (unpicklable) runtime resources.
 
     Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``),
-    ``compression``, ``grid``, ``local_size``, ``inter``, ``pipeline``, ``small_bytes``, ``timeout_s``.
+    ``compression``, ``grid``, ``local_size``, ``inter``, ``pipeline``, ``small_bytes``, ``timeout_s``, ``impl``.
     """
 
-    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "pipeline", "small_bytes", "timeout_s")
+    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "pipeline", "small_bytes", "timeout_s",
+              "impl")
 
     def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
                  local_size: Optional[int] = None, inter: Optional[str] = None,
                  small_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 pipeline: Optional[int] = None) -> None:
+                 pipeline: Optional[int] = None, impl: Optional[str] = None) -> None:
         self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid, "local_size": local_size,
-                                              "inter": inter, "pipeline": pipeline, "small_bytes": small_bytes},
+                                              "inter": inter, "pipeline": pipeline, "small_bytes": small_bytes,
+                                              "impl": impl},
                                   allow_noop=True)
         self.algorithm, self.compression = algorithm, compression
         self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
-        self.small_bytes, self.pipeline = small_bytes, pipeline
+        self.small_bytes, self.pipeline, self.impl = small_bytes, pipeline, impl
         self._reset_runtime()
+
+    @property
+    def chained(self) -> bool:
+        """True when the hook chains the backend's futures (no communication thread)."""
+        return self.algorithm == "native" or dict(self.spec.options).get("impl") == "native"
 
     def _reset_runtime(self) -> None:
         self.process_group: Optional[dist.ProcessGroup] = None
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
         self._streams: dict = {}
+        self._chain = None
+        self._world = 1
 
     # -- checkpointing: fields only, never the groups or the thread ------------------
     def __getstate__(self) -> dict:
@@ -93,7 +108,22 @@ class CommHookState:
 
             kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
         self.process_group = dist.new_group(ranks=members(ddp_group), **kwargs)
-        setup(self.algorithm, self.process_group, **dict(self.spec.options), compression=self.compression)
+        self._world = len(members(self.process_group))
+        opts = dict(self.spec.options)
+        if self.chained:
+            if self.algorithm != "native":
+                from largebatch.comm import composed, hierarchical, torus2d
+
+                if self.algorithm == "torus2d":
+                    local, cross, gather = torus2d.setup(self.process_group, self._world, opts["grid"], gather=True)
+                    cross_p2p = None
+                else:
+                    local, cross, gather = hierarchical.setup(self.process_group, self._world, opts["local_size"],
+                                                              gather=True)
+                    cross_p2p = None if opts["inter"] == "native" else hierarchical.INTER[opts["inter"]]
+                self._chain = composed.Chain(local, cross, gather, self.compression, cross_p2p)
+            return
+        setup(self.algorithm, self.process_group, **opts, compression=self.compression)
         self._queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="largebatch-comm", daemon=True)
         self._thread.start()
@@ -108,6 +138,24 @@ class CommHookState:
                 return False
             self._queue, self._thread = None, None
         return True
+
+    def submit_chained(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Average ``buffer`` with the backend's asynchronous collectives, chained by futures (no thread)."""
+        small = buffer.numel() * buffer.element_size() < dict(self.spec.options).get("small_bytes", 0)
+        if self._chain is not None and not small:
+            return self._chain.submit(buffer, self._world)
+        codec = get_codec(self.compression, buffer.dtype)          # native, or the small-message fast path
+        buffer.div_(self._world)
+        wire = buffer.to(codec.wire) if codec.lossy else buffer
+        fut = dist.all_reduce(wire, group=self.process_group, async_op=True).get_future()
+
+        def back(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()
+            if wire is not buffer:
+                buffer.copy_(wire)
+            return buffer
+
+        return fut.then(back)
 
     def submit(self, buffer: torch.Tensor) -> torch.futures.Future:
         """Queue an in-place average of ``buffer``; the future completes with ``buffer``."""
@@ -152,6 +200,8 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         fut = torch.futures.Future()
         fut.set_result(buffer)
         return fut
+    if state.chained:
+        return state.submit_chained(buffer)
     return state.submit(buffer)
 
 
@@ -159,7 +209,7 @@ def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any
     """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state.
 
     Collective: call on every rank, in the same order as other group creations.
-    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s (``None`` = default);
+    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default);
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)

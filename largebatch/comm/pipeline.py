@@ -67,6 +67,12 @@ def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
     return min(pieces_for(pieces, flat.numel() * flat.element_size()), max(1, flat.numel()))
 
 
+def composed_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
+    """The piece count of the native-composed form (`largebatch.comm.composed`): `pieces_for` on any
+    device (its work handles overlap the levels on CUDA too), at most one piece per element."""
+    return min(pieces_for(pieces, flat.numel() * flat.element_size()), max(1, flat.numel()))
+
+
 def _cross_worker() -> ThreadPoolExecutor:
     global _worker
     with _lock:
