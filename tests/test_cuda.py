@@ -142,10 +142,13 @@ def _two_ranks_on_one_gpu(rank: int, port: int) -> None:
         g = [torch.Generator().manual_seed(100 + r) for r in range(2)]
         inputs = [torch.randn(10_007, generator=g[r], dtype=torch.float64) for r in range(2)]
         exact = (inputs[0] + inputs[1]).float()
-        for algorithm in comm.ALGORITHMS:
+        cases = [(a, {}) for a in comm.ALGORITHMS] + [("torus2d", {"impl": "native"}),
+                                                      ("hierarchical", {"impl": "native", "inter": "native"})]
+        for algorithm, extra in cases:
             options = {"grid": "2x1"} if algorithm == "torus2d" else {}
             if algorithm == "hierarchical":
                 options = {"local_size": 2}
+            options.update(extra)
             x = inputs[rank].float().to(CUDA)
             comm.allreduce(x, algorithm, **options)
             assert x.is_cuda and torch.allclose(x.cpu(), exact, rtol=1e-5, atol=1e-5), algorithm
@@ -157,11 +160,13 @@ def _two_ranks_on_one_gpu(rank: int, port: int) -> None:
         torch.manual_seed(0)
         base = build_model("resnet18", 10, width=8, stem="small").to(CUDA)
         grads = {}
-        for algorithm in ("native", "ring", "halving_doubling"):
+        for algorithm in ("native", "ring", "halving_doubling", "torus2d:native"):
             model = build_model("resnet18", 10, width=8, stem="small").to(CUDA)
             model.load_state_dict(base.state_dict())
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=None, bucket_cap_mb=0.05)
-            state = comm.register(ddp, algorithm) if algorithm != "native" else None
+            name, _, impl = algorithm.partition(":")
+            opts = {"impl": impl, "grid": "2x1", "small_bytes": 0} if impl else {}
+            state = comm.register(ddp, name, **opts) if algorithm != "native" else None
             gen = torch.Generator().manual_seed(rank)
             x = torch.randn(8, 3, 32, 32, generator=gen).to(CUDA, non_blocking=True)
             y = torch.randint(0, 10, (8,), generator=gen).to(CUDA)
@@ -170,7 +175,7 @@ def _two_ranks_on_one_gpu(rank: int, port: int) -> None:
             grads[algorithm] = torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()
             if state is not None:
                 state.close()
-        for algorithm in ("ring", "halving_doubling"):
+        for algorithm in ("ring", "halving_doubling", "torus2d:native"):   # torus2d:native: host-staged on gloo
             assert torch.allclose(grads[algorithm], grads["native"], rtol=1e-4, atol=1e-6), algorithm
         dist.barrier()
     finally:

@@ -70,7 +70,13 @@ def _cross_native(chunk: torch.Tensor, cross: Group, async_op: bool):
 def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, pieces: int = 1,
               cross_p2p: Optional[Cross] = None) -> None:
     """Sum ``flat`` in place (steps 1-4), pipelined over ``pieces``; ``cross_p2p`` replaces step 3's
-    ``all_reduce`` with a p2p algorithm (run on this thread, so it does not overlap)."""
+    ``all_reduce`` with a p2p algorithm (run on this thread, so it does not overlap). CUDA tensors on
+    gloo (which lacks CUDA reduce-scatter) go through a host copy."""
+    if flat.is_cuda and _backend(local, cross) == "gloo":
+        host = flat.cpu()
+        allreduce(host, local, cross, codec, pieces, cross_p2p)
+        flat.copy_(host)
+        return
     lg, lranks, _ = local
     k = len(lranks)
     wire = codec.wire if codec.lossy else flat.dtype
@@ -106,6 +112,14 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
         piece = flat[cut[j]:cut[j + 1]]
         if buf.data_ptr() != piece.data_ptr():
             piece.copy_(buf[:piece.numel()])
+
+
+def _backend(*groups: Group) -> str:
+    """The backend of the first real sub-group (one-rank levels have none)."""
+    for g in groups:
+        if g[0] is not None:
+            return dist.get_backend(g[0])
+    return dist.get_backend()
 
 
 def _lossless(dtype: torch.dtype) -> Codec:

@@ -73,8 +73,10 @@ class CommHookState:
 
     @property
     def chained(self) -> bool:
-        """True when the hook chains the backend's futures (no communication thread)."""
-        return self.algorithm == "native" or dict(self.spec.options).get("impl") == "native"
+        """True when the hook chains the backend's futures (no communication thread): ``native`` and the
+        native-composed forms, except CUDA buckets on gloo (host-staged on the thread instead)."""
+        wants = self.algorithm == "native" or dict(self.spec.options).get("impl") == "native"
+        return wants and not self._cuda_on_gloo
 
     def _reset_runtime(self) -> None:
         self.process_group: Optional[dist.ProcessGroup] = None
@@ -83,6 +85,7 @@ class CommHookState:
         self._streams: dict = {}
         self._chain = None
         self._world = 1
+        self._cuda_on_gloo = False
 
     # -- checkpointing: fields only, never the groups or the thread ------------------
     def __getstate__(self) -> dict:
@@ -95,13 +98,16 @@ class CommHookState:
         return "CommHookState(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
 
     # -- runtime --------------------------------------------------------------------
-    def start(self, ddp_group: Optional[dist.ProcessGroup]) -> None:
-        """Collectively create the hook's own group and sub-groups, then start the thread.
+    def start(self, ddp_group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> None:
+        """Collectively create the hook's own group and sub-groups, then start the thread (if one is needed).
 
-        Every rank of the world calls this (from `register`), in the same order.
+        Every rank of the world calls this (from `register`), in the same order. ``device``: where the
+        model's gradients live.
         """
         if self.algorithm == "noop" or not (dist.is_available() and dist.is_initialized()):
             return
+        self._cuda_on_gloo = (device is not None and device.type == "cuda"
+                              and dist.get_backend(ddp_group) == "gloo")
         kwargs = {}
         if self.timeout_s is not None:
             import datetime
@@ -217,6 +223,7 @@ def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any
         state = CommHookState(algorithm, **options)
     elif options:
         raise TypeError("give either state= or options, not both")
-    state.start(getattr(ddp_model, "process_group", None))
+    device = next((p.device for p in ddp_model.parameters()), None)
+    state.start(getattr(ddp_model, "process_group", None), device)
     ddp_model.register_comm_hook(state, comm_hook)
     return state
