@@ -1,0 +1,85 @@
+"""The import rule of docs/ARCHITECTURE.md, checked on the source (every import, function-level ones too).
+
+Layers, lowest first; a module may import its own layer and the layers below, never above:
+  0 base          errors, cli (the dispatch table and the argument helpers commands share)
+  1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
+                  comm, perf (the model), noise_scale, scoring, ensemble, reliability
+  2 trainer       trainer
+  3 commands      train_cli, evaluate, study, study_variants, chaos, cluster, bench, perf.cli, perf.calibrate,
+                  optim.bench, __main__
+plus: comm imports only errors and comm (the runtime never depends on the performance model), and
+perf's model imports no torch-distributed runtime but comm's pure layout helpers.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import largebatch
+
+ROOT = Path(largebatch.__file__).parent
+COMMANDS = {"largebatch.train_cli", "largebatch.evaluate", "largebatch.study", "largebatch.study_variants",
+            "largebatch.chaos", "largebatch.cluster", "largebatch.bench", "largebatch.perf.cli",
+            "largebatch.perf.calibrate", "largebatch.optim.bench", "largebatch.__main__"}
+BASE = {"largebatch", "largebatch.errors", "largebatch.cli"}
+
+
+def _module(path: Path) -> str:
+    parts = ("largebatch",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("largebatch"):
+            if node.module == "largebatch":
+                out |= {f"largebatch.{a.name}" for a in node.names}
+            else:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("largebatch")}
+    return out
+
+
+def _within(name: str, prefixes: set[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _layer(name: str) -> int:
+    if _within(name, COMMANDS):
+        return 3
+    if _within(name, {"largebatch.trainer"}):
+        return 2
+    if name in BASE or _within(name, {"largebatch.errors"}) or name == "largebatch.__version__":
+        return 0
+    return 1
+
+
+GRAPH = {_module(p): _imports(p) for p in ROOT.rglob("*.py")}
+
+
+def test_no_module_imports_a_layer_above_it():
+    bad = [f"{m} ({_layer(m)}) imports {d} ({_layer(d)})" for m, deps in GRAPH.items() for d in deps
+           if _layer(d) > _layer(m)]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_comm_imports_only_itself_and_errors():
+    bad = [(m, d) for m, deps in GRAPH.items() if _within(m, {"largebatch.comm"}) for d in deps
+           if not _within(d, {"largebatch.comm", "largebatch.errors"})]
+    assert not bad, bad
+
+
+def test_the_performance_model_does_not_import_the_runtime():
+    allowed = {"largebatch.perf", "largebatch.errors", "largebatch.models", "largebatch.comm.pipeline",
+               "largebatch.comm.topology"}
+    bad = [(m, d) for m, deps in GRAPH.items()
+           if _within(m, {"largebatch.perf"}) and not _within(m, COMMANDS) for d in deps if not _within(d, allowed)]
+    assert not bad, bad
+
+
+def test_the_rule_sees_violations():
+    """The checker itself: a runtime module importing a command is caught."""
+    assert _layer("largebatch.data.idx") < _layer("largebatch.train_cli")
+    assert _imports(ROOT / "trainer.py") >= {"largebatch.scoring", "largebatch.comm"}
