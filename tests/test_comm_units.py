@@ -147,6 +147,26 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
     assert bad.returncode == 2 and "rign" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.timeout(240)
+def test_bench_native_composed_and_training_keys(tmp_path) -> None:
+    """torus2d:native / hierarchical:native run beside native; --training writes exposed_ms per hook and ddp_exposed_ms."""
+    out = tmp_path / "r.json"
+    base = [sys.executable, "-m", "largebatch", "bench", "allreduce", "--nproc", "2", "--iters", "2", "--warmup", "1",
+            "--rounds", "1"]
+    proc = subprocess.run(base + ["--sizes", "1MB", "--small-bytes", "0", "--algorithms", "torus2d:native",
+                                  "hierarchical:native", "--json", str(out)], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["algorithm"] for r in rows} == {"native", "torus2d:native", "hierarchical:native"}
+    assert all(r["busbw_GBps"] > 0 and r["predicted_s"] > 0 for r in rows)
+    proc = subprocess.run(base + ["--training", "--steps", "1", "--width", "4", "--batch", "2", "--algorithms",
+                                  "torus2d:native", "--json", str(out)], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["exposed_ms"]) == {"noop", "ddp", "torus2d:native"} and data["exposed_ms"]["noop"] == 0.0
+    assert data["ddp_exposed_ms"] == data["exposed_ms"]["ddp"]
+
+
 def test_pipelined_timeline() -> None:
     """The two-level pipeline's timeline: one piece is the three stages in a row; with a dominant cross
     stage the in-node stages hide behind it except for one piece's fill and drain."""

@@ -48,7 +48,8 @@ from largebatch.perf import measured as cost
 from largebatch.errors import UserError
 
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-DEFAULT_ALGORITHMS = ["native", "ring", "halving_doubling", "torus2d", "hierarchical"]
+DEFAULT_ALGORITHMS = ["native", "ring", "halving_doubling", "torus2d", "hierarchical", "torus2d:native",
+                      "hierarchical:native"]
 
 
 def parse_size(text: str) -> int:
@@ -179,7 +180,9 @@ def main(argv: list[str]) -> int:
                                     width=args.width, compression=args.compression, device=device)
             if info.is_main:
                 _print_training(rows, info.world_size)
-                _write_json(args, {"training": rows, "world_size": info.world_size})
+                ddp = next(r["exposed_ms"] for r in rows if r["hook"] == "ddp")
+                _write_json(args, {"training": rows, "world_size": info.world_size, "ddp_exposed_ms": ddp,
+                                   "exposed_ms": {r["hook"]: r["exposed_ms"] for r in rows}})
         else:
             rows = measure(args, device, info.world_size)
             links = measure_links(args, device, info.world_size, info.local_world_size)
@@ -501,6 +504,7 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
     base = rows[0]["step_s"]
     for r in rows:
         r["exposed_comm_s"] = r["step_s"] - base
+        r["exposed_ms"] = 1e3 * r["exposed_comm_s"]
     return rows
 
 
