@@ -86,6 +86,16 @@ def lr_grid(items: list[str], optimizers: list[str]) -> dict[str, list[float]]:
     return grid
 
 
+def same_study(old: dict, new: dict, optimizers: list[str]) -> bool:
+    """Whether `new` settings continue the study stored with `old`: everything equal, except that the lr grid
+    may grow (an optimum at the grid's edge is extended without re-running the cells already done)."""
+    if {k: v for k, v in old.items() if k != "lr_grid"} != {k: v for k, v in new.items() if k != "lr_grid"}:
+        return False
+    before = lr_grid(old.get("lr_grid") or [], optimizers)
+    after = lr_grid(new.get("lr_grid") or [], optimizers)
+    return all(set(lrs) <= set(after.get(opt, [])) for opt, lrs in before.items())
+
+
 def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
     """Each (batch, optimizer)'s lr with the best mean validation top-1 in a tuning study's study.json."""
     if not tuning_json.is_file():
@@ -348,9 +358,10 @@ def main(argv: list[str]) -> int:
                 "lr_grid": args.lr_grid, "val_split": args.val_split,
                 "from_tuning": str(args.from_tuning) if args.from_tuning else None}
     stored = args.out / "study_settings.json"
-    if stored.exists() and json.loads(stored.read_text()) != settings:
+    if stored.exists() and not same_study(json.loads(stored.read_text()), settings, optimizers):
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
-                        "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node, or use another --out.")
+                        "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
+                        "add values), or use another --out.")
     stored.write_text(json.dumps(settings, indent=2))
     from largebatch.bench import machine
     import torch

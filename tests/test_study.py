@@ -66,6 +66,15 @@ def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
         study.chosen_lrs(tuning)
 
 
+def test_a_study_continues_with_a_grown_lr_grid_only():
+    old = {"recipe": "fashion_mnist", "epochs": 8, "lr_grid": ["lars:1,2,4", "sgd:0.5"]}
+    grown = {**old, "lr_grid": ["lars:1,2,4,8", "sgd:0.5"]}
+    assert study.same_study(old, grown, ["sgd", "lars"])
+    assert study.same_study(old, old, ["sgd", "lars"])
+    assert not study.same_study(grown, old, ["sgd", "lars"])                      # a value dropped
+    assert not study.same_study(old, {**grown, "epochs": 9}, ["sgd", "lars"])       # anything else changed
+
+
 def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_path):
     common = ["--batches", "32", "--optimizers", "sgd", "--nproc-per-node", "1", "--epochs", "1",
               "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=160", "--set", "data.image_size=8",
