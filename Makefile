@@ -35,6 +35,7 @@ train: setup
 	$(VENV)/bin/largebatch train $(RECIPE) --nproc-per-node $(NPROC)
 
 test: setup
+	$(VENV)/bin/ruff check largebatch tests scripts
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-runs:

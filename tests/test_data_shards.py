@@ -13,7 +13,7 @@ from PIL import Image
 from largebatch.config import DataConfig
 from largebatch.data import build_data
 from largebatch.data.sampler import eval_shard, steps_per_epoch
-from largebatch.data.shards import ShardSource, pack, slot_ranges
+from largebatch.data.shards import ShardSource, slot_ranges
 from largebatch.errors import UserError
 
 pytestmark = pytest.mark.timeout(240)

@@ -277,8 +277,8 @@ def main(argv: list[str]) -> int:
                                   batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                   persistent_workers=args.workers > 0)
 
-        def plain_pass() -> None:
-            for x, _ in plain_loader:
+        def plain_pass(loader=plain_loader) -> None:
+            for x, _ in loader:
                 pass
 
         # Step 4: alternating timed passes.

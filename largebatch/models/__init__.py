@@ -42,4 +42,4 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, stem: str = "
                         zero_init_residual=zero_init_residual, width=width)
 
 
-__all__ = ["MODELS", "build_model", "Normalize", "count_flops", "count_macs", "ResNet", "AlexNetBN"]
+__all__ = ["MODELS", "build_model", "Normalize", "count_flops", "count_macs", "ResNet", "AlexNetBN", "SpeedrunNet"]
