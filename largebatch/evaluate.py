@@ -71,7 +71,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     from largebatch.data import build_data
     from largebatch.layout import use_channels_last
     from largebatch.scoring import evaluate
-    from largebatch.trainer import build_classifier
+    from largebatch.models.classifier import build_classifier
 
     cfg = load_run_config(run_dir)
     device = dist_mod.pick_device(cfg.train.device)

@@ -136,3 +136,18 @@ class Timer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def write_tensorboard(run_dir: Path) -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("largebatch: train.tensorboard needs the tensorboard package: pip install -e .[tensorboard]",
+              file=sys.stderr)
+        return
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    for rec in read(run_dir / "metrics.jsonl"):
+        for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
+            if key in rec:
+                writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
+    writer.close()

@@ -31,33 +31,8 @@ from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
 from largebatch.layout import autocast, resize_batch, to_model_layout, use_channels_last  # noqa: F401 (re-exported)
+from largebatch.models.classifier import Classifier, build_classifier  # noqa: F401 (re-exported)
 from largebatch.schedule import Plan, resolution_at
-
-
-class Classifier(nn.Module):
-    """Normalisation as the model's first step (data stays uint8 until here), then the network."""
-
-    def __init__(self, normalize: nn.Module, net: nn.Module):
-        super().__init__()
-        self.normalize = normalize
-        self.net = net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.normalize(x))
-
-
-def build_classifier(cfg: Config, info) -> Classifier:
-    from largebatch.models import Normalize, build_model
-
-    stem = cfg.model.stem
-    if stem == "auto":
-        stem = "small" if info.image_size <= 64 else "imagenet"
-    net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
-                      zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
-    return Classifier(Normalize(info.mean, info.std), net)
-
-
-
 
 
 def _no_buffer_broadcast() -> dict:
@@ -570,21 +545,6 @@ class Trainer:
             if self.cfg.train.plots:
                 metrics_mod.plot(metrics_mod.read(self.run_dir / "metrics.jsonl"), self.run_dir / "plots")
             if self.cfg.train.tensorboard:
-                write_tensorboard(self.run_dir)
+                metrics_mod.write_tensorboard(self.run_dir)
         self.metrics.close()
         return summary
-
-
-def write_tensorboard(run_dir: Path) -> None:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print("largebatch: train.tensorboard needs the tensorboard package: pip install -e .[tensorboard]",
-              file=sys.stderr)
-        return
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
-    for rec in metrics_mod.read(run_dir / "metrics.jsonl"):
-        for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
-            if key in rec:
-                writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
-    writer.close()

@@ -9,7 +9,7 @@ import yaml
 from largebatch import ensemble
 from largebatch.config import Config
 from largebatch.data import build_data
-from largebatch.trainer import build_classifier
+from largebatch.models.classifier import build_classifier
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -78,7 +78,7 @@ def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
 
     from largebatch.data import build_data
     from largebatch.scoring import evaluate
-    from largebatch.trainer import build_classifier
+    from largebatch.models.classifier import build_classifier
 
     cfg = config.load(str(run / "config.yaml"))
     _, test, info = build_data(cfg.data, cfg.train.seed)
