@@ -186,6 +186,28 @@ def _final_train_loss(run_dir: Path) -> float | None:
     return loss
 
 
+def _noise_scale(run_dir: Path) -> float | None:
+    """B_simple of a run (`train.noise_scale`): sum tr(Sigma) / sum |G|^2 over the logged steps of the second half
+    of training (a ratio of means, as McCandlish et al. average the two before dividing); None without them."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train" and rec.get("grad_sq") is not None and rec.get("grad_trace") is not None:
+            recs.append(rec)
+    if not recs:
+        return None
+    half = recs[-1]["epoch"] / 2
+    late = [r for r in recs if r["epoch"] >= half]
+    g2 = sum(r["grad_sq"] for r in late)
+    return sum(r["grad_trace"] for r in late) / g2 if g2 > 0 else None
+
+
 def summarise(cells: list[dict]) -> dict:
     """Mean and spread (sample std; 0 for one seed) of top-1 and final train loss per (batch, optimizer, lr);
     with an lr axis, `chosen` marks each (batch, optimizer)'s lr of the best mean top-1."""
@@ -200,8 +222,10 @@ def summarise(cells: list[dict]) -> dict:
         mean = sum(top1) / len(top1)
         std = math.sqrt(sum((t - mean) ** 2 for t in top1) / (len(top1) - 1)) if len(top1) > 1 else 0.0
         key = f"{o}@{b}" if lr is None else f"{o}@{b}/lr{lr:g}"
+        noise = [c["noise_scale"] for c in cs if c.get("noise_scale") is not None]
         table[key] = {"batch": b, "optimizer": o, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(top1),
-                      "train_loss_mean": sum(losses) / len(losses) if losses else None}
+                      "train_loss_mean": sum(losses) / len(losses) if losses else None,
+                      "noise_scale_mean": sum(noise) / len(noise) if noise else None}
     best: dict[tuple[int, str], str] = {}
     for key, row in table.items():
         k = (row["batch"], row["optimizer"])
@@ -225,11 +249,25 @@ def markdown(table: dict, batches: list[int], optimizers: list[str], split: str 
             if c is None:
                 cols += ["(not run)", "", ""]
             else:
-                tried = sum(1 for r in table.values() if r["batch"] == b and r["optimizer"] == o)
+                lrs = sorted(r["lr"] for r in table.values() if r["batch"] == b and r["optimizer"] == o
+                             and r["lr"] is not None)
+                tried = len(lrs)
+                edge = tried > 1 and c["lr"] in (lrs[0], lrs[-1])   # the optimum may lie outside the grid
                 cols.append(f"{100 * c['top1_mean']:.2f} ± {100 * c['top1_std']:.2f} (n={c['seeds']})")
-                cols.append("setting" if c["lr"] is None else f"{c['lr']:g}" + (f" (best of {tried})" if tried > 1 else ""))
+                cols.append("setting" if c["lr"] is None else f"{c['lr']:g}" + (
+                    f" (best of {tried}{', at the edge' if edge else ''})" if tried > 1 else ""))
                 cols.append(f"{c['train_loss_mean']:.3f}" if c["train_loss_mean"] is not None else "")
         rows.append(f"| {b} | " + " | ".join(cols) + " |")
+    noise = {(r["batch"], r["optimizer"]): r["noise_scale_mean"] for r in table.values()
+             if r["chosen"] and r.get("noise_scale_mean") is not None}
+    if noise:
+        rows += ["", "Gradient noise scale B_simple (second half of training, chosen lr; the batch above which a "
+                 "larger batch stops paying, McCandlish et al.):", "",
+                 "| global batch | " + " | ".join(f"{o} B_simple" for o in optimizers) + " |",
+                 "|---:|" + "---:|" * len(optimizers)]
+        for b in batches:
+            rows.append(f"| {b} | " + " | ".join(f"{noise[(b, o)]:,.0f}" if (b, o) in noise else ""
+                                                  for o in optimizers) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -322,7 +360,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
         summ = json.loads(summary_path.read_text())
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
                      "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
-                     "epochs": summ["epochs"]})
+                     "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir)})
         for key in ("ensemble_top1", "best_snapshot_top1", "ensemble_gain"):
             if key in summ:
                 cell[key] = summ[key]

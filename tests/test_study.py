@@ -58,6 +58,18 @@ def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
     png = tmp_path / "s.png"
     study.plot(table, ["lars"], png, train_size=50000, split="validation")
     assert png.stat().st_size > 1000
+    # an optimum at the grid's edge is marked, and the noise scale of the chosen lr is tabled
+    edge = [dict(c, top1=0.9, noise_scale=1500.0) if c.get("lr") == 4.0 else c for c in _cells()]
+    md = study.markdown(study.summarise(edge), [64, 384], ["lars"])
+    assert "| 4 (best of 3, at the edge) |" in md and "| 384 | 1,500 |" in md
+
+
+def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path):
+    recs = [{"kind": "train", "epoch": e, "grad_sq": g2, "grad_trace": tr, "loss": 1.0}
+            for e, g2, tr in ((0.5, 1.0, 1000.0), (1.5, 2.0, 100.0), (2.0, 1.0, 500.0))]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs + [{"kind": "eval"}]))
+    assert study._noise_scale(tmp_path) == pytest.approx((100.0 + 500.0) / (2.0 + 1.0))   # epochs >= 1.0 only
+    assert study._noise_scale(tmp_path / "missing") is None
     tuning = tmp_path / "study.json"
     tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
     assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}
