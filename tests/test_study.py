@@ -62,6 +62,12 @@ def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
     edge = [dict(c, top1=0.9, noise_scale=1500.0) if c.get("lr") == 4.0 else c for c in _cells()]
     md = study.markdown(study.summarise(edge), [64, 384], ["lars"])
     assert "| 4 (best of 3, at the edge) |" in md and "| 384 | 1,500 |" in md
+    tuning = tmp_path / "study.json"
+    tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
+    assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}
+    tuning.write_text(json.dumps({"val_split": None, "table": table}))
+    with pytest.raises(UserError, match="was not run with --val-split"):
+        study.chosen_lrs(tuning)
 
 
 def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path):
@@ -70,12 +76,6 @@ def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs + [{"kind": "eval"}]))
     assert study._noise_scale(tmp_path) == pytest.approx((100.0 + 500.0) / (2.0 + 1.0))   # epochs >= 1.0 only
     assert study._noise_scale(tmp_path / "missing") is None
-    tuning = tmp_path / "study.json"
-    tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
-    assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}
-    tuning.write_text(json.dumps({"val_split": None, "table": table}))
-    with pytest.raises(UserError, match="was not run with --val-split"):
-        study.chosen_lrs(tuning)
 
 
 def test_a_study_continues_with_a_grown_lr_grid_only():
