@@ -374,82 +374,56 @@ class Trainer:
             self.claim = None
         return joined
 
+    def _step_batches(self):
+        """The batch source: (phase, micro-batches, seconds waited for them) for every step until `total_steps`. It owns the boundaries:
+        a fresh loader at each epoch start, phase change and collapse boundary (augmentation off in a
+        collapse), resuming mid-epoch where `self.step` is. Time spent waiting for data goes to `_data_wait`."""
+        while self.step < self.total_steps:
+            phase = self.plan.phase_at(self.step)
+            epoch, in_epoch = self.plan.position(self.step)
+            collapse = self.plan.in_collapse(self.step)
+            batches = iter(self.train_data.batches(self._micro_batches(epoch, in_epoch, phase), train=not collapse,
+                                                   epoch=epoch))
+            self.model.train()
+            for _ in range(phase.steps_per_epoch - in_epoch):
+                if self.step >= self.total_steps or self.step >= phase.start_step + phase.steps \
+                        or self.plan.in_collapse(self.step) != collapse:
+                    break
+                t0 = time.perf_counter()
+                micros = [next(batches) for _ in range(phase.accumulation)]
+                wait = time.perf_counter() - t0
+                self._data_wait += wait
+                yield phase, micros, wait
+
     def _fit(self) -> dict:
+        """while step < total: train_step; maybe snapshot, log, checkpoint; stop if every rank agreed; at an
+        epoch end maybe evaluate, then checkpoint."""
         self._t_start = time.perf_counter()
         self._install_signal_handlers()
-        t = self.cfg.train
         epoch_ends = set(self.plan.epoch_end_steps())
-        last_log_t, last_log_images, last_log_step = time.perf_counter(), self.images_seen, self.step
-        loss_acc = torch.zeros((), device=self.device)
-        data_wait = 0.0
+        self._last_log = (time.perf_counter(), self.images_seen, self.step)
+        self._loss_acc = torch.zeros((), device=self.device)
+        self._data_wait = 0.0
         stopped = False
         try:
-            while self.step < self.total_steps:
-                phase = self.plan.phase_at(self.step)
-                epoch, in_epoch = self.plan.position(self.step)
-                steps_left_in_epoch = phase.steps_per_epoch - in_epoch
-                collapse = self.plan.in_collapse(self.step)   # Collapsed Ensemble: augmentation off
-                batches = self.train_data.batches(self._micro_batches(epoch, in_epoch, phase), train=not collapse,
-                                                  epoch=epoch)
-                batches = iter(batches)
-                self.model.train()
-                for _ in range(steps_left_in_epoch):
-                    if self.step >= self.total_steps or self.step >= phase.start_step + phase.steps \
-                            or self.plan.in_collapse(self.step) != collapse:
-                        break
-                    t0 = time.perf_counter()
-                    micros = [next(batches) for _ in range(phase.accumulation)]
-                    t1 = time.perf_counter()
-                    data_wait += t1 - t0
-                    lr = self.plan.lr(self.step)
-                    if self.plan.segments:
-                        ensemble.set_weight_decay(self.optimizer, self.base_weight_decay,
-                                                  self.plan.weight_decay_factor(self.step))
-                    self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
-                    with self.watchdog.guard(self.step, "training step (stop flag + gradient all-reduce)"):
-                        self.stop.start()                 # async flag all-reduce, overlaps the step
-                        loss_acc += self._train_step(micros, phase, lr, resolution_at(
-                            self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
-                        stop_now = self.stop.agreed()
-                    self.train_time += time.perf_counter() - t0
-                    self.images_seen += phase.global_batch
-                    self.step += 1
-                    if self.step in self.snapshot_steps:
-                        self._save_snapshot()
-                    at_epoch_end = self.step in epoch_ends or self.step == self.total_steps
-                    if self.step % t.log_every == 0 or at_epoch_end:
-                        # Logging step: the only host syncs besides the per-step finiteness flag.
-                        n = self.step - last_log_step
-                        loss = loss_acc / max(n, 1)
-                        if self.info.distributed:
-                            dist.all_reduce(loss)
-                            loss /= self.info.world_size
-                        now = time.perf_counter()
-                        rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
-                               "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
-                               "images_per_s": (self.images_seen - last_log_images) / max(now - last_log_t, 1e-9),
-                               "data_wait_s": data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
-                               "time": self.wall_before + self._session_wall(), **self._noise_rec}
-                        self._noise_rec = {}
-                        self.metrics.write(rec)
-                        self.display.update(rec)
-                        loss_acc.zero_()
-                        data_wait = 0.0
-                        last_log_t, last_log_images, last_log_step = now, self.images_seen, self.step
-                    if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0 \
-                            and not at_epoch_end:
-                        self.save_checkpoint()
-                    if stop_now:   # every rank agreed on this step boundary (reliability.StopAgreement)
-                        stopped = True
-                        break
-                if stopped:
-                    break
-                epoch_done = self.step in epoch_ends or self.step == self.total_steps
-                if epoch_done:
-                    completed_epoch = self.plan.position(self.step - 1)[0] + 1
-                    if (t.eval_every and completed_epoch % t.eval_every == 0) or self.step == self.total_steps:
-                        self._log_eval()
+            for phase, micros, wait in self._step_batches():
+                t0 = time.perf_counter()
+                lr = self.plan.lr(self.step)
+                stop_now = self._one_step(phase, micros, lr)
+                self.train_time += time.perf_counter() - t0 + wait
+                if self.step in self.snapshot_steps:
+                    self._save_snapshot()
+                at_epoch_end = self.step in epoch_ends or self.step == self.total_steps
+                if self.step % self.cfg.train.log_every == 0 or at_epoch_end:
+                    self._log_train(phase, lr)
+                every = self.cfg.train.checkpoint_every
+                if every and self.step % every == 0 and not at_epoch_end:
                     self.save_checkpoint()
+                if stop_now:   # every rank agreed on this step boundary (reliability.StopAgreement)
+                    stopped = True
+                    break
+                if at_epoch_end:
+                    self._end_epoch()
         finally:
             self.display.close()
             if self.comm_state is not None:
@@ -464,6 +438,50 @@ class Trainer:
             self.metrics.close()
             return {"stopped": True, "step": self.step, "signal": self.stop.signum}
         return self._finish()
+
+    def _one_step(self, phase, micros: list, lr: float) -> bool:
+        """One optimizer step (with the Collapsed Ensemble's weight decay and the stop agreement); True when
+        every rank agreed to stop after it."""
+        if self.plan.segments:
+            ensemble.set_weight_decay(self.optimizer, self.base_weight_decay, self.plan.weight_decay_factor(self.step))
+        self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
+        with self.watchdog.guard(self.step, "training step (stop flag + gradient all-reduce)"):
+            self.stop.start()                 # async flag all-reduce, overlaps the step
+            self._loss_acc += self._train_step(micros, phase, lr, resolution_at(
+                self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
+            stop_now = self.stop.agreed()
+        self.images_seen += phase.global_batch
+        self.step += 1
+        return stop_now
+
+    def _log_train(self, phase, lr: float) -> None:
+        """A logging step: the only host syncs besides the per-step finiteness flag."""
+        last_t, last_images, last_step = self._last_log
+        n = self.step - last_step
+        loss = self._loss_acc / max(n, 1)
+        if self.info.distributed:
+            dist.all_reduce(loss)
+            loss /= self.info.world_size
+        now = time.perf_counter()
+        rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
+               "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
+               "images_per_s": (self.images_seen - last_images) / max(now - last_t, 1e-9),
+               "data_wait_s": self._data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
+               "time": self.wall_before + self._session_wall(), **self._noise_rec}
+        self._noise_rec = {}
+        self.metrics.write(rec)
+        self.display.update(rec)
+        self._loss_acc.zero_()
+        self._data_wait = 0.0
+        self._last_log = (now, self.images_seen, self.step)
+
+    def _end_epoch(self) -> None:
+        """Evaluate every `eval_every` epochs (and at the end), then checkpoint."""
+        every = self.cfg.train.eval_every
+        completed_epoch = self.plan.position(self.step - 1)[0] + 1
+        if (every and completed_epoch % every == 0) or self.step == self.total_steps:
+            self._log_eval()
+        self.save_checkpoint()
 
     # ------------------------------------------------------------------ evaluation
     def _eval_model(self) -> nn.Module:
