@@ -16,23 +16,23 @@ from largebatch.errors import UserError, describe_os_error, report
 # command -> (module, one-line description). Two-word commands ("bench train") are
 # looked up first.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("largebatch.train_cli", "train a model with a recipe (one process or many)"),
-    "evaluate": ("largebatch.evaluate", "re-evaluate a finished run from its checkpoints or snapshots"),
-    "plan": ("largebatch.perf.cli", "predict step time, scaling efficiency, time-to-train and cost"),
-    "bench train": ("largebatch.bench.train", "training images/s: largebatch against a plain PyTorch loop"),
-    "bench data": ("largebatch.bench.data", "data pipeline images/s: largebatch against plain Pillow"),
-    "bench allreduce": ("largebatch.bench.allreduce", "all-reduce bus bandwidth per algorithm"),
-    "bench optim": ("largebatch.optim.bench", "optimizer step time: LARS / LAMB against torch SGD"),
-    "bench speedrun": ("largebatch.bench.speedrun", "Fashion-MNIST time-to-accuracy of a plain PyTorch CNN baseline"),
-    "bench scaling": ("largebatch.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
-    "cluster run": ("largebatch.cluster", "run a command on real separate hosts made of network namespaces"),
-    "study batch-scaling": ("largebatch.study", "top-1 against global batch per optimizer"),
-    "study batch-control": ("largebatch.study_variants:main_batch_control",
+    "train": ("largebatch.commands.train", "train a model with a recipe (one process or many)"),
+    "evaluate": ("largebatch.commands.evaluate", "re-evaluate a finished run from its checkpoints or snapshots"),
+    "plan": ("largebatch.commands.plan", "predict step time, scaling efficiency, time-to-train and cost"),
+    "bench train": ("largebatch.commands.bench.train", "training images/s: largebatch against a plain PyTorch loop"),
+    "bench data": ("largebatch.commands.bench.data", "data pipeline images/s: largebatch against plain Pillow"),
+    "bench allreduce": ("largebatch.commands.bench.allreduce", "all-reduce bus bandwidth per algorithm"),
+    "bench optim": ("largebatch.commands.bench.optim", "optimizer step time: LARS / LAMB against torch SGD"),
+    "bench speedrun": ("largebatch.commands.bench.speedrun", "Fashion-MNIST time-to-accuracy of a plain PyTorch CNN baseline"),
+    "bench scaling": ("largebatch.commands.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
+    "cluster run": ("largebatch.commands.cluster", "run a command on real separate hosts made of network namespaces"),
+    "study batch-scaling": ("largebatch.commands.study", "top-1 against global batch per optimizer"),
+    "study batch-control": ("largebatch.commands.study_variants:main_batch_control",
                             "batch-size control against a fixed large batch at equal epochs"),
-    "study ensemble": ("largebatch.study_variants:main_ensemble",
+    "study ensemble": ("largebatch.commands.study_variants:main_ensemble",
                        "the Collapsed Ensemble against one model at equal epochs"),
     "data pack": ("largebatch.data.shards", "pack an ImageFolder into sequential tar shards"),
-    "chaos": ("largebatch.chaos", "kill workers at random during a run and check it survives"),
+    "chaos": ("largebatch.commands.chaos", "kill workers at random during a run and check it survives"),
 }
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from largebatch.bench.allreduce import human
+from largebatch.commands.bench.allreduce import human
 
 
 def allreduce_tables(path: Path) -> str:

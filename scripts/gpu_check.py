@@ -98,7 +98,7 @@ class Check:
 def machine_step() -> dict:
     import torch
 
-    from largebatch.bench import machine
+    from largebatch.commands.bench import machine
 
     info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
             "machine": machine(torch.device("cuda" if torch.cuda.is_available() else "cpu"))}

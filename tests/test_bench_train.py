@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from largebatch.bench.train import matmul_peak_gflops, parse_config
+from largebatch.commands.bench.train import matmul_peak_gflops, parse_config
 from largebatch.errors import UserError
 
 

@@ -130,7 +130,7 @@ def check_script(tmp_path: Path) -> Path:
     (["--bogus", "--", "bench"], "unrecognized"),
 ])
 def test_bad_arguments_are_user_errors(args: list[str], words: str) -> None:
-    from largebatch.cluster import parse_args
+    from largebatch.commands.cluster import parse_args
 
     with pytest.raises(UserError, match=re.escape(words)):
         parse_args(args)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from largebatch import comm
-from largebatch.bench.allreduce import parse_sizes
+from largebatch.commands.bench.allreduce import parse_sizes
 from largebatch.perf import measured as cost
 from largebatch.comm.chunking import bounds
 from largebatch.comm.hook import CommHookState

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from largebatch.bench import data as bench
+from largebatch.commands.bench import data as bench
 from largebatch.data import jpeg
 from largebatch.errors import UserError
 

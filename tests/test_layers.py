@@ -5,8 +5,8 @@ Layers, lowest first; a module may import its own layer and the layers below, ne
   1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
                   comm, perf (the model), noise_scale, scoring, ensemble, reliability
   2 trainer       trainer
-  3 commands      train_cli, evaluate, study, study_variants, chaos, cluster, bench, perf.cli, perf.calibrate,
-                  optim.bench, __main__
+  3 commands      largebatch/commands/ (train, evaluate, plan, study, chaos, cluster, bench/...), perf.calibrate,
+                  __main__
 plus: comm imports only errors and comm (the runtime never depends on the performance model), and
 perf's model imports no torch-distributed runtime but comm's pure layout helpers.
 """
@@ -18,9 +18,7 @@ from pathlib import Path
 import largebatch
 
 ROOT = Path(largebatch.__file__).parent
-COMMANDS = {"largebatch.train_cli", "largebatch.evaluate", "largebatch.study", "largebatch.study_variants",
-            "largebatch.chaos", "largebatch.cluster", "largebatch.bench", "largebatch.perf.cli",
-            "largebatch.perf.calibrate", "largebatch.optim.bench", "largebatch.__main__"}
+COMMANDS = {"largebatch.commands", "largebatch.perf.calibrate", "largebatch.__main__"}
 BASE = {"largebatch", "largebatch.errors", "largebatch.cli"}
 
 
@@ -81,5 +79,5 @@ def test_the_performance_model_does_not_import_the_runtime():
 
 def test_the_rule_sees_violations():
     """The checker itself: a runtime module importing a command is caught."""
-    assert _layer("largebatch.data.idx") < _layer("largebatch.train_cli")
+    assert _layer("largebatch.data.idx") < _layer("largebatch.commands.train")
     assert _imports(ROOT / "trainer.py") >= {"largebatch.scoring", "largebatch.comm"}

@@ -9,7 +9,7 @@ import torch
 
 from largebatch import config as config_mod
 from largebatch.optim import LAMB, LARS, build_optimizer
-from largebatch.train_cli import dry_run
+from largebatch.commands.train import dry_run
 
 pytestmark = pytest.mark.timeout(120)
 IMAGENET = 1281167

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from largebatch import config
-from largebatch.bench.speedrun import plain_cnn
+from largebatch.commands.bench.speedrun import plain_cnn
 from largebatch.models import build_model, count_macs
 from largebatch.models.speedrun import SpeedrunNet
 
@@ -50,6 +50,6 @@ def test_plain_cnn_and_bench_speedrun_user_error(cli):
     assert plain_cnn()(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     proc = cli("bench", "speedrun", "--target", "1.5")
     if proc.returncode == 2 and "unknown command" in proc.stderr:   # no cli.py entry yet: the module path
-        proc = __import__("subprocess").run([__import__("sys").executable, "-m", "largebatch.bench.speedrun",
+        proc = __import__("subprocess").run([__import__("sys").executable, "-m", "largebatch.commands.bench.speedrun",
                                              "--target", "1.5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--target" in proc.stderr and "Traceback" not in proc.stderr

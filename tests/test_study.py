@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from largebatch import study
+from largebatch.commands import study
 from largebatch.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,7 +119,7 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
 
 
 def test_variant_studies_plan_summarise_and_judge(tmp_path):
-    from largebatch import study_variants as sv
+    from largebatch.commands import study_variants as sv
 
     args = sv.parser("batch-control").parse_args(["--epochs", "24", "--switch-epochs", "6"])
     plan = sv.variants("batch-control", args)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from largebatch.bench import machine
+from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from largebatch import study
+from largebatch.commands import study
 from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.errors import UserError
 
@@ -156,7 +156,7 @@ def run(kind: str, argv: list[str]) -> int:
                   ("--val-split", args.val_split, args.val_split is None or args.val_split >= 1, "1 or more"))
     plan = variants(kind, args)
     from largebatch import config as config_mod
-    from largebatch.train_cli import dry_run
+    from largebatch.commands.train import dry_run
 
     for sets in plan.values():   # every cell resolves before anything trains
         dry_run(config_mod.load(args.recipe, list(args.overrides) + sets + ["train.seed=0"]), args.nproc_per_node)
@@ -172,7 +172,7 @@ def run(kind: str, argv: list[str]) -> int:
     stored.write_text(json.dumps(settings, indent=2))
     import torch
 
-    from largebatch.bench import machine
+    from largebatch.commands.bench import machine
 
     split = "validation" if args.val_split else "test"
     meta = {"command": f"largebatch study {kind} " + " ".join(argv), **settings,

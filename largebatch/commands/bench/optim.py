@@ -1,6 +1,6 @@
 """Optimizer step time on a model's parameters: LARS and LAMB against torch.optim.SGD(foreach=True).
 
-Run: python -m largebatch.optim.bench [--model resnet50] [--steps 20] [--threads N] [--device cpu]
+Run: python -m largebatch.commands.bench.optim [--model resnet50] [--steps 20] [--threads N] [--device cpu]
 
 1. Build the model (ImageNet stem, 1000 classes) and the two parameter groups of `param_groups`.
 2. Give every parameter a fixed random gradient (the step does not depend on where it came from).

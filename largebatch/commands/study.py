@@ -308,7 +308,7 @@ def _check_cells(args, batches, optimizers) -> int:
     """Step 2: every cell's plan resolves (divisibility, batch vs dataset size) before anything trains; the
     training images per cell."""
     from largebatch import config as config_mod
-    from largebatch.train_cli import _train_size, dry_run
+    from largebatch.commands.train import _train_size, dry_run
 
     base = config_mod.load(args.recipe, cell_overrides(args, batches[0], optimizers[0], 0))
     size = _train_size(base)
@@ -401,7 +401,7 @@ def main(argv: list[str]) -> int:
                         "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
                         "add values), or use another --out.")
     stored.write_text(json.dumps(settings, indent=2))
-    from largebatch.bench import machine
+    from largebatch.commands.bench import machine
     import torch
 
     meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch import comm
-from largebatch.bench import machine
+from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.perf import measured as cost
 from largebatch.errors import UserError

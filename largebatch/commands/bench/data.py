@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from largebatch.bench import machine
+from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError

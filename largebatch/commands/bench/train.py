@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from largebatch.bench import machine
+from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.errors import UserError
 

@@ -1,4 +1,4 @@
-"""`largebatch bench speedrun` (also `python -m largebatch.bench.speedrun`): the plain PyTorch baseline of the
+"""`largebatch bench speedrun` (also `python -m largebatch.commands.bench.speedrun`): the plain PyTorch baseline of the
 Fashion-MNIST time-to-accuracy record, for `largebatch train fashion_mnist_speedrun` to be compared with.
 
 The program a user would write without largebatch, timed like the record (training and evaluation, setup
