@@ -1,7 +1,7 @@
 """Starting workers: torch's elastic agent (torchrun), run in this process, with largebatch's exit codes.
 
-Every command that starts workers goes through `run_agent` (`largebatch train` and `evaluate` with
---nproc-per-node, `bench allreduce`), or through `python -m largebatch.launch TORCHRUN_ARGS` where the
+Every command that starts workers on this host builds the torchrun arguments with `local_workers` and runs
+them with `run_agent` (`largebatch train` and `evaluate` with --nproc-per-node, `bench allreduce`), or through `python -m largebatch.launch TORCHRUN_ARGS` where the
 agent must be its own process (`cluster run` starts one per namespaced host). What it adds to torchrun:
 
 1. Exit codes: 2 when a worker exited 2 (it printed the user's one-sentence error; the peers that the
@@ -25,6 +25,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def without_options(argv: list[str], *flags: str) -> list[str]:
+    """`argv` minus each `--flag VALUE` / `--flag=VALUE` of `flags` (the launcher's own, not the workers')."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
+def local_workers(nproc: int, command: list[str], max_restarts: int = 0) -> list[str]:
+    """The torchrun arguments of `nproc` workers on this host running `python -m largebatch COMMAND...`,
+    rendezvous on loopback, for `run_agent`; sets OMP_NUM_THREADS to the cores per worker unless the user set it."""
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
+            "--max-restarts", str(max_restarts), "-m", "largebatch", *command]
 
 
 def quiet_agent_logs() -> None:

@@ -32,22 +32,11 @@ def parser() -> ArgumentParser:
 
 
 def _launch(args, argv: list[str]) -> int:
-    from largebatch.launch import free_port, run_agent
+    from largebatch.launch import local_workers, run_agent, without_options
 
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            rest.append(a)
-    launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
-                "-m", "largebatch", "evaluate", *rest]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    launcher = local_workers(args.nproc_per_node, ["evaluate", *without_options(argv, "--nproc-per-node")])
     return run_agent(launcher)[0]
 
 

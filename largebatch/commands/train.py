@@ -115,7 +115,7 @@ def print_plan(plan: dict) -> None:
 def launch(args, argv: list[str]) -> int:
     """Start the workers through torch's elastic launcher (torchrun), rendezvous on loopback."""
     from largebatch import rundir
-    from largebatch.launch import free_port, run_agent
+    from largebatch.launch import local_workers, run_agent, without_options
 
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
@@ -130,23 +130,8 @@ def launch(args, argv: list[str]) -> int:
         else:
             run_dir = Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     rundir.check(run_dir, args.resume)   # refuse before starting workers (rank 0 checks again under the lock)
-    worker_argv = []
-    skip = False
-    for i, a in enumerate(argv):   # the same arguments minus the launcher's own
-        if skip:
-            skip = False
-            continue
-        if a in ("--nproc-per-node", "--max-restarts", "--run-dir"):
-            skip = True
-            continue
-        if a.startswith(("--nproc-per-node=", "--max-restarts=", "--run-dir=")):
-            continue
-        worker_argv.append(a)
-    worker_argv += ["--run-dir", str(run_dir)]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
-    launcher = ["--nnodes", "1", "--nproc-per-node", str(args.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
-                "--max-restarts", str(args.max_restarts), "-m", "largebatch", "train", *worker_argv]
+    worker_argv = without_options(argv, "--nproc-per-node", "--max-restarts", "--run-dir") + ["--run-dir", str(run_dir)]
+    launcher = local_workers(args.nproc_per_node, ["train", *worker_argv], args.max_restarts)
     print(f"largebatch: starting {args.nproc_per_node} workers (torchrun {' '.join(launcher[:12])} ...)",
           file=sys.stderr, flush=True)
     code, signum = run_agent(launcher)

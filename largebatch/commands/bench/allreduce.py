@@ -144,29 +144,13 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """The workers' arguments: --nproc dropped (torchrun would take it for its own --nproc-per-node)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     _validate(args)
     if not _under_torchrun():                                                   # 1. launch
-        from largebatch.launch import free_port, run_agent
+        from largebatch.launch import local_workers, run_agent, without_options
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        return run_agent(["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
-                          "--master-port", str(free_port()), "-m", "largebatch", "bench", "allreduce",
-                          *_without_nproc(argv)])[0]
+        return run_agent(local_workers(args.nproc, ["bench", "allreduce", *without_options(argv, "--nproc")]))[0]
     from largebatch import dist as ldist
 
     device = ldist.pick_device("auto")
