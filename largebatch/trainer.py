@@ -114,12 +114,8 @@ class Trainer:
                 **_no_buffer_broadcast())   # BN statistics per worker (Goyal); averaged before eval/checkpoints
             if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
                 from largebatch.comm import register
-                from largebatch.comm.hook import CommHookState
 
-                # every hook field of the config section, as it is (None = the algorithm's default)
-                options = {k: getattr(cfg.comm, k) for k in CommHookState.FIELDS if k != "algorithm"}
-                self.comm_state = register(self.ddp, cfg.comm.algorithm,
-                                           **{k: v for k, v in options.items() if v is not None})
+                self.comm_state = register(self.ddp, cfg.comm)   # the section's set fields are the options
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
 
         # 7. optimizer (lr set per step from the plan)

@@ -186,3 +186,20 @@ def test_pipelined_timeline() -> None:
     assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
     assert pieces_for(None, 64 << 20) == 8 and pieces_for(None, 1 << 20) == 1
     assert pieces_for(3, 1 << 20) == 3
+
+
+def test_a_comm_config_section_is_the_hook_options() -> None:
+    """register(ddp, cfg.comm): the section's set fields become the hook's validated options, nothing else."""
+    from largebatch import config
+    from largebatch.comm.hook import CommHookState, section_options
+
+    cfg = config.load("fashion_mnist", ["comm.algorithm=hierarchical", "comm.impl=native", "comm.inter=native",
+                                        "comm.local_size=2", "comm.compression=bf16"])
+    algorithm, options = section_options(cfg.comm)
+    assert algorithm == "hierarchical" and options == {"compression": "bf16", "local_size": 2, "inter": "native",
+                                                       "impl": "native", "timeout_s": cfg.comm.timeout_s}
+    state = CommHookState(algorithm, **options)
+    assert dict(state.spec.options)["impl"] == "native" and state.chained
+    bad = config.load("fashion_mnist", ["comm.algorithm=ring", "comm.impl=native"])
+    with pytest.raises(UserError, match="do not apply to algorithm ring"):
+        CommHookState(*section_options(bad.comm)[:1], **section_options(bad.comm)[1])

@@ -188,8 +188,9 @@ def setup(algorithm: str, group: Optional[dist.ProcessGroup] = None, **options: 
         hierarchical.setup(group, world, opts["local_size"])
 
 
-def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any):
-    """Install ``algorithm`` as ``ddp_model``'s comm hook; returns the `CommHookState`."""
+def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any):
+    """Install ``algorithm`` (a name, or a ``comm`` config section) as ``ddp_model``'s comm hook; returns the
+    `CommHookState`."""
     from largebatch.comm.hook import register as _register
 
     return _register(ddp_model, algorithm, **options)

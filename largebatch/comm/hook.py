@@ -211,14 +211,24 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return state.submit(buffer)
 
 
-def register(ddp_model: torch.nn.Module, algorithm: str = "ring", **options: Any) -> CommHookState:
-    """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state.
+def section_options(section: Any) -> tuple[str, dict[str, Any]]:
+    """(algorithm, options) of a ``comm`` config section: every hook field that is set (None = the default)."""
+    return section.algorithm, {k: getattr(section, k) for k in CommHookState.FIELDS[1:]
+                               if getattr(section, k, None) is not None}
+
+
+def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any) -> CommHookState:
+    """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state. ``algorithm`` may be
+    the run's ``comm`` config section itself (`config.CommConfig`), whose set fields are the options.
 
     Collective: call on every rank, in the same order as other group creations.
     ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default);
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)
+    if not isinstance(algorithm, str):   # a config section (config.CommConfig)
+        algorithm, from_section = section_options(algorithm)
+        options = {**from_section, **options}
     if state is None:
         state = CommHookState(algorithm, **options)
     elif options:
