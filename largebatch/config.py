@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import yaml
 
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
 from largebatch.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -132,7 +133,7 @@ class TrainConfig:
 
 @dataclass
 class CommConfig:
-    algorithm: str = _choices("native", "ring", "halving_doubling", "torus2d", "hierarchical", "noop",
+    algorithm: str = _choices(*ALLREDUCE, *HOOK_ONLY,
                               doc="all-reduce of gradient buckets (noop: no communication, for measurement only)")
     compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
     bucket_mb: float = _doc(25.0, "DDP bucket size in MB (tensor fusion)")

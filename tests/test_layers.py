@@ -1,13 +1,13 @@
 """The import rule of docs/ARCHITECTURE.md, checked on the source (every import, function-level ones too).
 
 Layers, lowest first; a module may import its own layer and the layers below, never above:
-  0 base          errors, cli (the dispatch table and the argument helpers commands share)
+  0 base          errors, algorithms (the one list of names), cli (the dispatch table and shared argument helpers)
   1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
                   comm, perf (the model), noise_scale, scoring, ensemble, reliability
   2 trainer       trainer
   3 commands      largebatch/commands/ (train, evaluate, plan, study, chaos, cluster, bench/...), perf.calibrate,
                   __main__
-plus: comm imports only errors and comm (the runtime never depends on the performance model), and
+plus: comm imports only errors, algorithms and comm (the runtime never depends on the performance model), and
 perf's model imports no torch-distributed runtime but comm's pure layout helpers.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import largebatch
 
 ROOT = Path(largebatch.__file__).parent
 COMMANDS = {"largebatch.commands", "largebatch.perf.calibrate", "largebatch.__main__"}
-BASE = {"largebatch", "largebatch.errors", "largebatch.cli"}
+BASE = {"largebatch", "largebatch.errors", "largebatch.cli", "largebatch.algorithms"}
 
 
 def _module(path: Path) -> str:
@@ -63,14 +63,14 @@ def test_no_module_imports_a_layer_above_it():
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_comm_imports_only_itself_and_errors():
+def test_comm_imports_only_itself_errors_and_the_names():
     bad = [(m, d) for m, deps in GRAPH.items() if _within(m, {"largebatch.comm"}) for d in deps
-           if not _within(d, {"largebatch.comm", "largebatch.errors"})]
+           if not _within(d, {"largebatch.comm", "largebatch.errors", "largebatch.algorithms"})]
     assert not bad, bad
 
 
 def test_the_performance_model_does_not_import_the_runtime():
-    allowed = {"largebatch.perf", "largebatch.errors", "largebatch.models", "largebatch.comm.pipeline",
+    allowed = {"largebatch.perf", "largebatch.errors", "largebatch.algorithms", "largebatch.models", "largebatch.comm.pipeline",
                "largebatch.comm.topology"}
     bad = [(m, d) for m, deps in GRAPH.items()
            if _within(m, {"largebatch.perf"}) and not _within(m, COMMANDS) for d in deps if not _within(d, allowed)]

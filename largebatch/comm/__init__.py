@@ -43,6 +43,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS  # noqa: F401 (re-exported)
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -65,8 +66,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES,
                      "impl": "p2p"},
 }
-HOOK_ONLY = ("noop",)
-IMPLS = ("p2p", "native")   # torus2d / hierarchical: point-to-point steps, or the backend's collectives
+assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.algorithms.ALLREDUCE names every algorithm here"
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from largebatch.algorithms import ALLREDUCE, MODEL_ONLY
 from largebatch.errors import UserError
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
 from largebatch.perf.catalog import DEFAULT_STACK, Device, get_device, get_link, stack_factor
 from largebatch.perf.flops import model_cost
 from largebatch.perf.topology import Topology
 
-ALGORITHMS = ("native", "ring", "halving_doubling", "torus2d", "hierarchical", "tree")
+ALGORITHMS = ALLREDUCE + MODEL_ONLY
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKENDS = ("nccl", "gloo")
 

@@ -45,11 +45,11 @@ from largebatch import comm
 from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser
 from largebatch.perf import measured as cost
+from largebatch.algorithms import ALLREDUCE, TWO_LEVEL
 from largebatch.errors import UserError
 
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-DEFAULT_ALGORITHMS = ["native", "ring", "halving_doubling", "torus2d", "hierarchical", "torus2d:native",
-                      "hierarchical:native"]
+DEFAULT_ALGORITHMS = [*ALLREDUCE, *(f"{a}:native" for a in TWO_LEVEL)]
 
 
 def parse_size(text: str) -> int:

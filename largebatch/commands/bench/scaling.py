@@ -26,9 +26,10 @@ import torch
 
 from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
 from largebatch.errors import UserError
 
-ALGORITHMS = ("native", "ring", "halving_doubling", "torus2d", "hierarchical", "noop")
+ALGORITHMS = ALLREDUCE + HOOK_ONLY
 
 
 def run_training(args, world: int, algorithm: str, run_dir: Path) -> float:
