@@ -70,6 +70,19 @@ def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
         study.chosen_lrs(tuning)
 
 
+def test_the_claims_table_judges_against_sgd_at_the_smallest_batch():
+    cells = [{"batch": b, "optimizer": o, "lr": 1.0, "seed": s, "top1": t + 0.001 * s, "train_loss": 0.3}
+             for b, o, t in ((64, "sgd", 0.930), (384, "sgd", 0.925), (3072, "sgd", 0.900), (1536, "lars", 0.915))
+             for s in range(3)]
+    rows = {(r["optimizer"], r["batch"]): r for r in study.claims(study.summarise(cells))}
+    assert set(rows) == {("sgd", 384), ("sgd", 3072), ("lars", 1536)}          # LAMB did not run: no row
+    assert rows[("sgd", 384)]["held"] and rows[("sgd", 384)]["difference"] == pytest.approx(-0.005)
+    assert rows[("sgd", 3072)]["held"]                                          # the breakdown: 3 points below
+    assert not rows[("lars", 1536)]["held"]                                     # 1.5 points below: not within 1
+    md = study.claims_markdown(list(rows.values()), "test")
+    assert "| You et al.: LARS at ImageNet 32K" in md and "| -1.50 ± 0.10 | did not hold |" in md
+
+
 def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path):
     recs = [{"kind": "train", "epoch": e, "grad_sq": g2, "grad_trace": tr, "loss": 1.0}
             for e, g2, tr in ((0.5, 1.0, 1000.0), (1.5, 2.0, 100.0), (2.0, 1.0, 500.0))]

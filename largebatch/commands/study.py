@@ -320,15 +320,65 @@ def _check_cells(args, batches, optimizers) -> int:
     return size
 
 
+# The papers' claims in Fashion-MNIST batches (x 1,281,167 / 60,000 = the ImageNet batch with the same steps per
+# epoch): (who, claim, optimizer, batch, "within" | "below", points against the baseline, SGD at the smallest batch).
+CLAIMS = (
+    ("Goyal et al.", "SGD at ImageNet 8K within 1.0 point of the small-batch baseline", "sgd", 384, "within", 1.0),
+    ("Goyal et al.", "SGD breaks at ImageNet 64K: more than 1.0 point below", "sgd", 3072, "below", 1.0),
+    ("You et al.", "LARS at ImageNet 32K within 1.0 point of the small-batch baseline", "lars", 1536, "within", 1.0),
+    ("You et al. (LAMB)", "LAMB at ImageNet 32K within 1.0 point of the small-batch baseline", "lamb", 1536,
+     "within", 1.0),
+)
+
+
+def claims(table: dict) -> list[dict]:
+    """Each claim of `CLAIMS` whose cells ran: the measured difference (chosen lr, mean over seeds) against the
+    baseline, SGD at the smallest batch, and whether it held. The spread is the larger of the two seeds' standard
+    deviations; with one seed a verdict is marked as such."""
+    chosen = {(r["batch"], r["optimizer"]): r for r in table.values() if r["chosen"]}
+    sgd = sorted(b for b, o in chosen if o == "sgd")
+    if not sgd:
+        return []
+    base = chosen[(sgd[0], "sgd")]
+    out = []
+    for who, claim, opt, batch, kind, points in CLAIMS:
+        row = chosen.get((batch, opt))
+        if row is None or batch == base["batch"]:
+            continue
+        diff = row["top1_mean"] - base["top1_mean"]
+        held = diff >= -points / 100 if kind == "within" else diff < -points / 100
+        out.append({"who": who, "claim": claim, "batch": batch, "optimizer": opt, "top1": row["top1_mean"],
+                    "baseline_top1": base["top1_mean"], "baseline_batch": base["batch"], "difference": diff,
+                    "spread": max(row["top1_std"], base["top1_std"]), "seeds": min(row["seeds"], base["seeds"]),
+                    "held": held})
+    return out
+
+
+def claims_markdown(rows: list[dict], split: str) -> str:
+    if not rows:
+        return ""
+    lines = ["", f"The papers' claims ({split} top-1, chosen lr, against SGD at batch {rows[0]['baseline_batch']}):", "",
+             "| claim | measured | difference (points) | held |", "|---|---:|---:|---|"]
+    for r in rows:
+        verdict = ("held" if r["held"] else "did not hold") + (" (1 seed)" if r["seeds"] < 2 else "")
+        lines.append(f"| {r['who']}: {r['claim']} | {r['optimizer']} at {r['batch']}: {100 * r['top1']:.2f} "
+                     f"(baseline {100 * r['baseline_top1']:.2f}) | {100 * r['difference']:+.2f} "
+                     f"± {100 * r['spread']:.2f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], optimizers: list[str]) -> dict:
     """Step 4."""
     table = summarise(cells)
     batches = sorted(batches)
     split = "validation" if meta.get("val_split") else "test"
-    (out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
+    verdicts = claims(table)
+    (out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table, "claims": verdicts},
+                                               indent=2))
     md = (f"Command: `{meta['command']}`\n\nEpochs per cell: {meta['epochs']}, seeds: {meta['seeds']}, "
           f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, machine: "
-          f"{meta.get('machine', '')}\n\n" + markdown(table, batches, optimizers, split))
+          f"{meta.get('machine', '')}\n\n" + markdown(table, batches, optimizers, split)
+          + claims_markdown(verdicts, split))
     (out / "study.md").write_text(md)
     if table:
         plot(table, optimizers, out / "study.png", meta.get("train_size"), split)
