@@ -32,6 +32,7 @@ from largebatch.config import save as save_config
 from largebatch.errors import UserError
 from largebatch.layout import autocast, resize_batch, to_model_layout, use_channels_last  # noqa: F401 (re-exported)
 from largebatch.models.classifier import Classifier, build_classifier  # noqa: F401 (re-exported)
+from largebatch.progress import Progress
 from largebatch.schedule import Plan, resolution_at
 
 
@@ -141,12 +142,8 @@ class Trainer:
 
         # 9. state that checkpoints carry
         self.step = 0
-        self.best_top1 = 0.0
-        self.nonfinite_total = 0
+        self.progress = Progress()
         self.nonfinite_run = 0
-        self.wall_before = 0.0          # training wall time of earlier sessions (resume)
-        self.images_seen = 0
-        self.train_time = 0.0
         if resume:
             self._restore()
 
@@ -195,9 +192,7 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema is not None else {},
             "step": self.step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "progress": {"best_top1": self.best_top1, "nonfinite_total": self.nonfinite_total,
-                         "wall_s": self.wall_before + self._session_wall(), "images_seen": self.images_seen,
-                         "train_time": self.train_time},
+            "progress": self.progress.state_dict(self._session_wall()),
             "config_hash": self.cfg.hash(),
             "optimizer_name": self.cfg.optim.name,
             # the comm hook's fields, without its process group (plain data: loads with weights_only)
@@ -244,11 +239,7 @@ class Trainer:
             self.noise.load_state_dict(state["noise_scale"])
         self._saved_step = self.step   # that checkpoint exists: a stop right away does not rewrite it
         prog = state["progress"]
-        self.best_top1 = prog["best_top1"]
-        self.nonfinite_total = prog["nonfinite_total"]
-        self.wall_before = prog["wall_s"]
-        self.images_seen = prog["images_seen"]
-        self.train_time = prog["train_time"]
+        self.progress.load_state_dict(prog)
         if state.get("config_hash") != self.cfg.hash() and self.main:
             print("largebatch: warning: the config differs from the one the checkpoint was written with.",
                   file=sys.stderr)
@@ -330,7 +321,7 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
         else:
-            self.nonfinite_total += 1
+            self.progress.nonfinite_total += 1
             self.nonfinite_run += 1
             if self.nonfinite_run > t.max_nonfinite:
                 raise UserError(f"training diverged: {self.nonfinite_run} consecutive steps with non-finite loss or "
@@ -397,7 +388,7 @@ class Trainer:
         self._t_start = time.perf_counter()
         self._install_signal_handlers()
         epoch_ends = set(self.plan.epoch_end_steps())
-        self._last_log = (time.perf_counter(), self.images_seen, self.step)
+        self._last_log = (time.perf_counter(), self.progress.images_seen, self.step)
         self._loss_acc = torch.zeros((), device=self.device)
         self._data_wait = 0.0
         stopped = False
@@ -406,7 +397,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 lr = self.plan.lr(self.step)
                 stop_now = self._one_step(phase, micros, lr)
-                self.train_time += time.perf_counter() - t0 + wait
+                self.progress.train_time += time.perf_counter() - t0 + wait
                 if self.step in self.snapshot_steps:
                     self._save_snapshot()
                 at_epoch_end = self.step in epoch_ends or self.step == self.total_steps
@@ -446,7 +437,7 @@ class Trainer:
             self._loss_acc += self._train_step(micros, phase, lr, resolution_at(
                 self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
             stop_now = self.stop.agreed()
-        self.images_seen += phase.global_batch
+        self.progress.images_seen += phase.global_batch
         self.step += 1
         return stop_now
 
@@ -461,15 +452,15 @@ class Trainer:
         now = time.perf_counter()
         rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
                "loss": float(loss), "lr": lr, "global_batch": phase.global_batch,
-               "images_per_s": (self.images_seen - last_images) / max(now - last_t, 1e-9),
-               "data_wait_s": self._data_wait / max(n, 1), "nonfinite_steps": self.nonfinite_total,
-               "time": self.wall_before + self._session_wall(), **self._noise_rec}
+               "images_per_s": (self.progress.images_seen - last_images) / max(now - last_t, 1e-9),
+               "data_wait_s": self._data_wait / max(n, 1), "nonfinite_steps": self.progress.nonfinite_total,
+               "time": self.progress.wall_before + self._session_wall(), **self._noise_rec}
         self._noise_rec = {}
         self.metrics.write(rec)
         self.display.update(rec)
         self._loss_acc.zero_()
         self._data_wait = 0.0
-        self._last_log = (now, self.images_seen, self.step)
+        self._last_log = (now, self.progress.images_seen, self.step)
 
     def _end_epoch(self) -> None:
         """Evaluate every `eval_every` epochs (and at the end), then checkpoint."""
@@ -490,8 +481,8 @@ class Trainer:
                                       precision=self.cfg.train.precision, channels_last=self.channels_last,
                                       flip=self.cfg.train.eval_flip,
                                       batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch))
-        self.best_top1 = max(self.best_top1, result["top1"])
-        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.wall_before + self._session_wall()}
+        self.progress.best_top1 = max(self.progress.best_top1, result["top1"])
+        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.progress.wall_before + self._session_wall()}
         self.metrics.write(rec)
         if self.main and not self.quiet:
             self.display.message(f"eval step {self.step}: top-1 {result['top1']:.4f}  top-5 {result['top5']:.4f}  "
@@ -532,7 +523,7 @@ class Trainer:
         # Collapsed Ensemble: only once a snapshot exists (a run stopped early by max_steps may have none).
         has_snapshot = any(s <= self.step for s in self.plan.snapshot_steps())
         ensemble_rec = self._ensemble_eval() if has_snapshot else {}
-        wall = self.wall_before + self._session_wall()
+        wall = self.progress.wall_before + self._session_wall()
         corrupt = list(getattr(self.train_data, "corrupt", [])) + list(getattr(self.test_data, "corrupt", []))
         if self.info.distributed:   # every rank skipped its own share of the corrupt files
             with self.watchdog.guard(self.step, "gather corrupt-image lists"):
@@ -543,12 +534,12 @@ class Trainer:
         summary = {
             "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
             "final_top1": self.last_eval["top1"], "final_top5": self.last_eval["top5"],
-            "final_loss": self.last_eval["loss"], "best_top1": max(self.best_top1, self.last_eval["top1"]),
+            "final_loss": self.last_eval["loss"], "best_top1": max(self.progress.best_top1, self.last_eval["top1"]),
             "epochs": round(self.plan.epoch_float(self.step), 4),
             "steps": self.step, "wall_s": wall,
-            "train_images_per_s": self.images_seen / max(self.train_time, 1e-9),
+            "train_images_per_s": self.progress.images_seen / max(self.progress.train_time, 1e-9),
             "world_size": self.info.world_size, "global_batch": self.plan.phase_at(self.step - 1).global_batch,
-            "nonfinite_steps": self.nonfinite_total, "corrupt_images": len(corrupt),
+            "nonfinite_steps": self.progress.nonfinite_total, "corrupt_images": len(corrupt),
             "precision": self.cfg.train.precision, "threads_per_worker": self.threads,
             **ensemble_rec,
         }
