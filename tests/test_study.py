@@ -62,6 +62,10 @@ def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
     edge = [dict(c, top1=0.9, noise_scale=1500.0) if c.get("lr") == 4.0 else c for c in _cells()]
     md = study.markdown(study.summarise(edge), [64, 384], ["lars"])
     assert "| 4 (best of 3, at the edge) |" in md and "| 384 | 1,500 |" in md
+    # a diverged lr counts as tried: above the best, the best is no longer at the grid's edge
+    gone = edge + [{"batch": 384, "optimizer": "lars", "lr": 8.0, "seed": 0, "top1": None, "diverged": True}]
+    md = study.markdown(study.summarise(gone), [64, 384], ["lars"])
+    assert "| 4 (best of 4, 1 diverged) |" in md
     tuning = tmp_path / "study.json"
     tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
     assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}

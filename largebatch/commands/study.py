@@ -167,6 +167,9 @@ def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = Non
     return list(args.overrides) + sets
 
 
+DIVERGED = "diverged.txt"   # a cell whose training diverged (the trainer's sentence): done, with no top-1
+
+
 def _cell_dir(out: Path, batch: int, opt: str, seed: int, lr: float | None = None) -> Path:
     return out / "runs" / (f"{opt}-b{batch}-s{seed}" if lr is None else f"{opt}-b{batch}-lr{lr:g}-s{seed}")
 
@@ -231,8 +234,13 @@ def summarise(cells: list[dict]) -> dict:
         k = (row["batch"], row["optimizer"])
         if k not in best or row["top1_mean"] > table[best[k]]["top1_mean"]:
             best[k] = key
+    diverged: dict[tuple[int, str], list[float]] = {}
+    for c in cells:
+        if c.get("diverged") and c.get("lr") is not None:
+            diverged.setdefault((c["batch"], c["optimizer"]), []).append(c["lr"])
     for key, row in table.items():
         row["chosen"] = best[(row["batch"], row["optimizer"])] == key
+        row["diverged_lrs"] = sorted(set(diverged.get((row["batch"], row["optimizer"]), [])))
     return table
 
 
@@ -249,13 +257,15 @@ def markdown(table: dict, batches: list[int], optimizers: list[str], split: str 
             if c is None:
                 cols += ["(not run)", "", ""]
             else:
-                lrs = sorted(r["lr"] for r in table.values() if r["batch"] == b and r["optimizer"] == o
-                             and r["lr"] is not None)
+                gone = c.get("diverged_lrs", [])
+                lrs = sorted({r["lr"] for r in table.values() if r["batch"] == b and r["optimizer"] == o
+                              and r["lr"] is not None} | set(gone))
                 tried = len(lrs)
                 edge = tried > 1 and c["lr"] in (lrs[0], lrs[-1])   # the optimum may lie outside the grid
                 cols.append(f"{100 * c['top1_mean']:.2f} ± {100 * c['top1_std']:.2f} (n={c['seeds']})")
+                notes = [f"best of {tried}"] + ([f"{len(gone)} diverged"] if gone else []) + (["at the edge"] if edge else [])
                 cols.append("setting" if c["lr"] is None else f"{c['lr']:g}" + (
-                    f" (best of {tried}{', at the edge' if edge else ''})" if tried > 1 else ""))
+                    f" ({', '.join(notes)})" if tried > 1 else ""))
                 cols.append(f"{c['train_loss_mean']:.3f}" if c["train_loss_mean"] is not None else "")
         rows.append(f"| {b} | " + " | ".join(cols) + " |")
     noise = {(r["batch"], r["optimizer"]): r["noise_scale_mean"] for r in table.values()
@@ -389,9 +399,10 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
     """Step 3 for one cell: train it unless its summary exists (resume it if it holds a run), then its record:
     the exact command, and from its summary top-1/top-5, losses, steps, wall time (and ensemble figures)."""
     summary_path = run_dir / "summary.json"
+    diverged_path = run_dir / DIVERGED
     argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
             *[x for kv in sets for x in ("--set", kv)]]
-    if not summary_path.exists():
+    if not summary_path.exists() and not diverged_path.exists():
         resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
         console.print(f"[bold]study[/] cell {position}: {label}{' (resuming)' if resume else ''}")
         if not args.dry_run:
@@ -400,11 +411,16 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
             cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
             with open(run_dir / "train.log", "a") as log:
                 proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-            if proc.returncode != 0:
+            diverged = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines()
+                        if "training diverged" in line]
+            if proc.returncode == 2 and diverged:   # a result, not a failure: this lr is too large here
+                diverged_path.write_text(diverged[-1] + "\n")
+                console.print(f"study: {label} diverged")
+            elif proc.returncode != 0:
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
             else:
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
-    cell = {"run_dir": str(run_dir), "top1": None,
+    cell = {"run_dir": str(run_dir), "top1": None, "diverged": diverged_path.exists() and not summary_path.exists(),
             "command": " ".join(shlex.quote(c) for c in ["largebatch", *argv])}
     if summary_path.exists():
         summ = json.loads(summary_path.read_text())
@@ -468,6 +484,7 @@ def main(argv: list[str]) -> int:
         write_outputs(args.out, meta, cells, batches, optimizers)
     table = write_outputs(args.out, meta, cells, batches, optimizers)
     console.print(markdown(table, sorted(batches), optimizers))
-    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done; "
+    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
+                  f"{'' if not any(c.get('diverged') for c in cells) else ', %d diverged' % sum(bool(c.get('diverged')) for c in cells)}; "
                   f"results in {args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0
