@@ -303,9 +303,16 @@ def plot(table: dict, optimizers: list[str], path: Path, train_size: int | None 
     ax.set_xlabel("global batch (images)")
     ax.set_ylabel(f"{split} top-1 (%)")
     if train_size:
+        from matplotlib.ticker import NullFormatter
+
         scale = IMAGENET_IMAGES / train_size
         top = ax.secondary_xaxis("top", functions=(lambda b: b * scale, lambda b: b / scale))
+        batches = sorted({c["batch"] for c in table.values()})
+        top.set_xticks([b * scale for b in batches], [f"{b * scale / 1000:.3g}K" for b in batches])
+        top.xaxis.set_minor_formatter(NullFormatter())
         top.set_xlabel("ImageNet-equivalent batch (same steps per epoch)")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_title("top-1 vs global batch at equal epochs")
     ax.grid(alpha=0.3)
     ax.legend()
