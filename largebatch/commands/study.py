@@ -174,35 +174,21 @@ def _cell_dir(out: Path, batch: int, opt: str, seed: int, lr: float | None = Non
     return out / "runs" / (f"{opt}-b{batch}-s{seed}" if lr is None else f"{opt}-b{batch}-lr{lr:g}-s{seed}")
 
 
+def _train_records(run_dir: Path) -> list[dict]:
+    from largebatch.metrics import read
+
+    return [r for r in read(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+
+
 def _final_train_loss(run_dir: Path) -> float | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    loss = None
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("kind") == "train":
-            loss = rec["loss"]
-    return loss
+    recs = _train_records(run_dir)
+    return recs[-1]["loss"] if recs else None
 
 
 def _noise_scale(run_dir: Path) -> float | None:
     """B_simple of a run (`train.noise_scale`): sum tr(Sigma) / sum |G|^2 over the logged steps of the second half
     of training (a ratio of means, as McCandlish et al. average the two before dividing); None without them."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("kind") == "train" and rec.get("grad_sq") is not None and rec.get("grad_trace") is not None:
-            recs.append(rec)
+    recs = [r for r in _train_records(run_dir) if r.get("grad_sq") is not None and r.get("grad_trace") is not None]
     if not recs:
         return None
     half = recs[-1]["epoch"] / 2

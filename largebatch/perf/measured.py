@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 from largebatch.comm.pipeline import pieces_for
 from largebatch.comm.topology import parse_grid
+from largebatch.algorithms import TWO_LEVEL
 from largebatch.perf.catalog import Link
 from largebatch.perf.topology import Topology
 
@@ -122,5 +123,5 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
     torus_x = None
     if algorithm == "torus2d":
         torus_x = parse_grid(grid)[0] if grid else topo.devices_per_node
-    pieces = pieces_for(pipeline, nbytes) if algorithm in ("torus2d", "hierarchical") else 1
+    pieces = pieces_for(pipeline, nbytes) if algorithm in TWO_LEVEL else 1
     return allreduce_time(algorithm, nbytes, topo, torus_x, inter=inter, pieces=pieces, backend=backend)
