@@ -8,6 +8,7 @@
 4. `latest()` walks from the newest checkpoint back, verifying size and checksum; a corrupt or
    truncated one is reported by name and the previous good one is used.
 5. Loading uses `torch.load(weights_only=True)`: no pickled code runs.
+6. `RunState` gathers a training run's parts into one checkpoint and restores them on a resume.
 A kill at any moment leaves the previous checkpoint intact.
 """
 from __future__ import annotations
@@ -128,3 +129,71 @@ def restore(module_or_optimizer, state: dict, what: str, path: Path, fix: str) -
             detail = detail[:300] + "..."
         raise UserError(f"checkpoint {path} does not fit this {what} ({detail}); {fix}") from None
     return result
+
+
+
+class RunState:
+    """Step 6: a training run's state as one checkpoint: the model, optimizer, loss scaler, EMA model, the
+    noise-scale averages, the comm hook's fields (without its process group: plain data, loads with
+    weights_only), the progress counters, the RNG states and the step; restored the same way on a resume."""
+
+    FIX = ("resume with the recipe and --set options the run was started with (its config.yaml), or start "
+           "a new run with a fresh --run-dir.")
+
+    def __init__(self, directory: Path, *, model, optimizer, scaler, ema, noise, comm_state, progress,
+                 config_hash: str, optimizer_name: str, keep: int | None, main: bool):
+        self.directory, self.model, self.optimizer, self.scaler, self.ema = directory, model, optimizer, scaler, ema
+        self.noise, self.comm_state, self.progress = noise, comm_state, progress
+        self.config_hash, self.optimizer_name, self.keep, self.main = config_hash, optimizer_name, keep, main
+
+    def state_dict(self, step: int, session_wall: float) -> dict:
+        import random
+
+        return {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema is not None else {},
+            "step": step, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "progress": self.progress.state_dict(session_wall), "config_hash": self.config_hash,
+            "optimizer_name": self.optimizer_name,
+            "comm": self.comm_state.__getstate__() if self.comm_state is not None else {},
+            "noise_scale": self.noise.state_dict() if self.noise is not None else {},
+        }
+
+    def save(self, step: int, epoch: float, session_wall: float) -> Path:
+        return save(self.state_dict(step, session_wall), self.directory, step, keep=self.keep,
+                    meta={"epoch": epoch, "config_hash": self.config_hash})
+
+    def resume(self) -> int | None:
+        """The newest intact checkpoint loaded into every part; its step, or None when there is none yet
+        (said by the main process). A checkpoint that does not fit is one UserError naming the fix."""
+        import random
+
+        from largebatch.errors import UserError
+
+        found = latest(self.directory, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))
+        if found is None:
+            if self.main:
+                print(f"largebatch: no checkpoint in {self.directory}; starting from step 0.", file=sys.stderr)
+            return None
+        path, _ = found
+        state = load(path)
+        written_by = state.get("optimizer_name", self.optimizer_name)
+        if written_by != self.optimizer_name:   # its state would load, then fail (or mislead) at the first step
+            raise UserError(f"checkpoint {path} was written with optim.name={written_by} but this run uses "
+                            f"{self.optimizer_name}; {self.FIX}")
+        restore(self.model, state["model"], "model", path, self.FIX)
+        restore(self.optimizer, state["optimizer"], f"optimizer ({self.optimizer_name})", path, self.FIX)
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state["ema"]:
+            restore(self.ema, state["ema"], "EMA model", path, self.FIX)
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if self.noise is not None and state.get("noise_scale"):
+            self.noise.load_state_dict(state["noise_scale"])
+        self.progress.load_state_dict(state["progress"])
+        if self.main:
+            if state.get("config_hash") != self.config_hash:
+                print("largebatch: warning: the config differs from the one the checkpoint was written with.",
+                      file=sys.stderr)
+            print(f"largebatch: resumed from {path} at step {state['step']}.", file=sys.stderr)
+        return state["step"]

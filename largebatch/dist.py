@@ -160,3 +160,26 @@ def set_threads(threads: int | None, local_world_size: int) -> int:
         threads = max(1, cores // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float) -> torch.nn.Module:
+    """DistributedDataParallel with gradients as bucket views and no buffer broadcast each forward: BN
+    statistics stay per worker during training (Goyal et al.) and are averaged before evaluation and
+    checkpoints. torch >= 2.13 spells that keyword forward_sync_buffers (broadcast_buffers is deprecated
+    there); older releases broadcast_buffers."""
+    import inspect
+
+    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    params = inspect.signature(ddp_cls.__init__).parameters
+    no_broadcast = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return ddp_cls(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
+                   gradient_as_bucket_view=True, **no_broadcast)
+
+
+def gather_union(items: list[str], world_size: int) -> list[str]:
+    """The sorted union of every rank's `items` (all ranks call it; a no-op for one process)."""
+    if world_size > 1:
+        lists: list = [None] * world_size
+        dist.all_gather_object(lists, items)
+        items = [x for part in lists for x in part]
+    return sorted(set(items))

@@ -151,3 +151,15 @@ def write_tensorboard(run_dir: Path) -> None:
             if key in rec:
                 writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
     writer.close()
+
+
+def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bool, tensorboard: bool) -> None:
+    """A finished run's files: summary.json, corrupt_images.txt (when any image was skipped), the plots and
+    the TensorBoard event file when asked for."""
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if corrupt:
+        (run_dir / "corrupt_images.txt").write_text("\n".join(corrupt) + "\n")
+    if plots:
+        plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
+    if tensorboard:
+        write_tensorboard(run_dir)

@@ -60,6 +60,18 @@ class NoiseScale:
         self.g2: float | None = None
         self.trace: float | None = None
 
+    @classmethod
+    def for_run(cls, distributed: bool, main: bool) -> NoiseScale | None:
+        """The run's averages, or None (with a warning from the main process) for a single worker."""
+        if distributed:
+            return cls()
+        if main:
+            import sys
+
+            print("largebatch: warning: train.noise_scale needs 2 or more workers (it compares each worker's "
+                  "gradient with the all-reduced one); not measured in this run.", file=sys.stderr)
+        return None
+
     def update(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> dict:
         g2, trace = estimates(small_sq, big_sq, b_small, b_big)
         if self.g2 is None:

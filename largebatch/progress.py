@@ -1,8 +1,13 @@
-"""A run's counters that survive a resume, checkpointed as the `progress` entry (the optimizer step is the
-checkpoint's own `step`)."""
+"""A run's counters: those that survive a resume (`Progress`, checkpointed as the `progress` entry; the
+optimizer step is the checkpoint's own `step`), and the training log's window between two logging steps
+(`LogWindow`)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -24,3 +29,30 @@ class Progress:
         self.wall_before = state["wall_s"]
         self.images_seen = state["images_seen"]
         self.train_time = state["train_time"]
+
+
+class LogWindow:
+    """Sums between two logging steps: the loss stays on the device (no host sync per step), the seconds
+    waited for data, and where the window began (time, images seen, step)."""
+
+    def __init__(self, device: torch.device, step: int, images_seen: int):
+        self.loss = torch.zeros((), device=device)
+        self.data_wait = 0.0
+        self.start = (time.perf_counter(), images_seen, step)
+
+    def close(self, step: int, images_seen: int, world_size: int) -> dict:
+        """The window's mean loss over steps and workers (one all-reduce: every rank calls it), images/s and
+        data wait per step; a new window begins."""
+        t0, images0, step0 = self.start
+        n = max(step - step0, 1)
+        loss = self.loss / n
+        if world_size > 1:
+            dist.all_reduce(loss)
+            loss /= world_size
+        now = time.perf_counter()
+        rec = {"loss": float(loss), "images_per_s": (images_seen - images0) / max(now - t0, 1e-9),
+               "data_wait_s": self.data_wait / n}
+        self.loss.zero_()
+        self.data_wait = 0.0
+        self.start = (now, images_seen, step)
+        return rec

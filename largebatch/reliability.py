@@ -33,6 +33,8 @@ The pieces and the order in which the trainer uses them:
    itself (``kill``), send itself SIGTERM (``term``) or raise a user error on that rank alone (``error``,
    exit code 2). Steps may be ranges ``3-5``. A fault
    fires only in restart attempt 0 unless suffixed ``/A`` (attempt A) or ``/*`` (every attempt).
+7. Teardown. `stop_threads` stops and joins every thread above that touches the store or a group,
+   before `dist.shutdown` destroys the groups.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import hashlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -51,7 +54,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from largebatch.dist import namespace as _namespace, restart_count
+from largebatch.dist import namespace as _namespace, note_stuck_thread as _note_stuck, restart_count
 from largebatch.errors import UserError
 
 FAULTS_ENV = "LARGEBATCH_FAULTS"
@@ -279,6 +282,14 @@ class StopAgreement:
             self._work = None
         return bool(self._flag.item())
 
+    @staticmethod
+    def announce(step: int, recipe: str, world_size: int, run_dir: Path) -> None:
+        """After an agreed stop (its checkpoint written): the command that resumes the run."""
+        workers = f" --nproc-per-node {world_size}" if world_size > 1 else ""
+        print(f"largebatch: stopped by signal at step {step}; checkpoint written. Resume with: "
+              f"largebatch train {recipe}{workers} --run-dir {run_dir} --resume (and the same --set options)",
+              file=sys.stderr, flush=True)
+
 
 # ---------------------------------------------------------------------------------- 6. fault injection
 @dataclass(frozen=True)
@@ -336,6 +347,26 @@ class FaultInjector:
 
     def poison(self, step: int) -> bool:
         return bool(self.faults) and self._hit("nan", step)
+
+
+# ---------------------------------------------------------------------------------- 7. teardown
+def stop_threads(watchdog: Watchdog | None, comm_state, timeout_s: float = 30.0) -> bool:
+    """Step 1 of the ordered teardown (then `dist.shutdown`: barrier, destroy the groups): stop and join every
+    thread of ours that touches the control store or a process group (the watchdog's publisher, the comm
+    hook's thread, the pipeline's cross-level worker). True when every one ended; one that did not is
+    recorded, so that the process exits without interpreter finalization (`dist.end_process`)."""
+    joined = True
+    if watchdog is not None and not watchdog.close(timeout_s):
+        joined = False
+        _note_stuck("largebatch-watchdog")
+    if comm_state is not None and not comm_state.close(timeout_s):
+        joined = False
+        _note_stuck("largebatch-comm")
+    pipeline = sys.modules.get("largebatch.comm.pipeline")
+    if pipeline is not None and not pipeline.shutdown(timeout_s):
+        joined = False
+        _note_stuck("largebatch-cross")
+    return joined
 
 
 # ---------------------------------------------------------------------------------- overhead measurement

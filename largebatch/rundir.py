@@ -16,6 +16,7 @@
 5. `watch_parent()`: workers ask the kernel for SIGTERM when their launcher dies (Linux
    PR_SET_PDEATHSIG), so a SIGKILLed launcher never leaves workers writing behind a new run's back:
    they stop at the next step with a checkpoint, as after any SIGTERM.
+6. `agree(...)`: in a distributed run rank 0 claims, and every rank learns the path or the refusal.
 """
 from __future__ import annotations
 
@@ -130,6 +131,44 @@ def claim(path: Path, resume: bool) -> Claim:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
     return Claim(path, fd)
+
+
+def agree(run_dir: Path | None, resume: bool, *, main: bool, distributed: bool, default_name: str,
+          store=None) -> tuple[Path, Claim | None]:
+    """Step 6: the run directory every rank of a run agrees on, and rank 0's claim on it.
+
+    Rank 0 picks the directory (`run_dir`, the one an earlier attempt of this elastic run chose, or
+    runs/NAME-TIMESTAMP) and claims it; the path, or rank 0's refusal, is broadcast, so that every rank
+    raises the same UserError (exit code 2 on every rank)."""
+    import time
+
+    import torch.distributed as dist
+
+    from largebatch import reliability
+    from largebatch.errors import describe_os_error
+
+    path = [str(run_dir) if run_dir else "", ""]   # path, rank 0's error
+    held = None
+    if main:
+        try:
+            if not run_dir:
+                remembered = reliability.remembered_run_dir(store)
+                path[0] = str(remembered or Path("runs") / f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            p = Path(path[0])
+            held = claim(p, resume)
+            reliability.remember_run_dir(store, p)
+            (p / "checkpoints").mkdir(exist_ok=True)
+        except UserError as err:
+            path[1] = str(err)
+        except OSError as err:   # the run directory's disk or permissions: still every rank's error
+            path[1] = describe_os_error(err)
+    if distributed:
+        dist.broadcast_object_list(path, src=0)
+    if path[1]:
+        if held is not None:
+            held.release()
+        raise UserError(path[1])
+    return Path(path[0]), held
 
 
 def watch_parent() -> None:

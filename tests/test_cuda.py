@@ -208,7 +208,7 @@ def test_nccl_at_world_size_1():
 
 def test_pinned_loader_and_non_blocking_copies(tmp_path):
     from largebatch.data import build_data
-    from largebatch.trainer import to_model_layout
+    from largebatch.layout import to_model_layout
 
     for split in ("train", "val"):
         for c in range(2):

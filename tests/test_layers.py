@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own layer and the layers below, never above:
   0 base          errors, algorithms (the one list of names), cli (the dispatch table and shared argument helpers)
   1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
-                  comm, perf (the model), noise_scale, scoring, ensemble, reliability
+                  step, batches, progress, comm, perf (the model), noise_scale, scoring, ensemble, reliability
   2 trainer       trainer
   3 commands      largebatch/commands/ (train, evaluate, plan, study, chaos, cluster, bench/...), perf.calibrate,
                   __main__

@@ -91,7 +91,7 @@ def test_progressive_resizing():
     import torch
 
     from largebatch.schedule import resolution_at
-    from largebatch.trainer import resize_batch
+    from largebatch.layout import resize_batch
 
     phases = [{"start_epoch": 3, "image_size": 28}, {"start_epoch": 0.5, "image_size": 20}]
     assert [resolution_at(phases, e) for e in (0, 0.49, 0.5, 2.99, 3, 10)] == [None, None, 20, 20, 28, 28]

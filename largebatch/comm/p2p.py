@@ -4,10 +4,9 @@
    (a ring of ranks that all send first cannot deadlock on gloo, whose ``isend``
    does not wait for the peer, but the early receive lets the transport land the
    data straight in place).
-2. gloo (CPU): plain ``dist.irecv`` / ``dist.isend``. ``batch_isend_irecv`` costs
-   about 2.5x more per step on gloo (its coalescing manager, measured 2.5 ms vs
-   1.0 ms per 4 KB step with 4 processes on this 2-core box), and the p2p
-   algorithms are latency-bound below a few MB, so this is their main cost.
+2. gloo (CPU): plain ``dist.irecv`` / ``dist.isend``. ``batch_isend_irecv`` adds
+   its coalescing manager's fixed cost to every step on gloo, and the p2p
+   algorithms are latency-bound below a few MB, so that cost would dominate.
 3. Any other backend (NCCL): ``batch_isend_irecv``, which NCCL runs inside one
    ncclGroupStart/End; that is what keeps a ring of blocking pairs from
    deadlocking there.

@@ -19,7 +19,9 @@ class Classifier(nn.Module):
         return self.net(self.normalize(x))
 
 
-def build_classifier(cfg: Config, info) -> Classifier:
+def build_classifier(cfg: Config, info, device: torch.device | None = None, channels_last: bool = False
+                     ) -> Classifier:
+    """The configured net behind the data set's normalization, on `device`, in channels-last memory if asked."""
     from largebatch.models import Normalize, build_model
 
     stem = cfg.model.stem
@@ -27,4 +29,5 @@ def build_classifier(cfg: Config, info) -> Classifier:
         stem = "small" if info.image_size <= 64 else "imagenet"
     net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
                       zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
-    return Classifier(Normalize(info.mean, info.std), net)
+    model = Classifier(Normalize(info.mean, info.std), net).to(device)
+    return model.to(memory_format=torch.channels_last) if channels_last else model

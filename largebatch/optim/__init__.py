@@ -69,3 +69,12 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
 
 
 __all__ = ["LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer"]
+
+
+def build_ema(model: nn.Module, decay: float | None):
+    """The exponential moving average of `model`'s weights and buffers (None without a decay)."""
+    if not decay:
+        return None
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from largebatch.perf.model import predict
 
@@ -33,7 +33,7 @@ class Row:
         return self.predicted / self.published - 1.0
 
 
-RN50 = dict(model="resnet50", dataset_size=IMAGENET)
+RN50: dict[str, Any] = dict(model="resnet50", dataset_size=IMAGENET)
 
 
 def _ips(device: str, n: int, per_gpu: int, stack: str, precision: str = "fp16", per_node: int = 8,

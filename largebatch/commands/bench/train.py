@@ -9,7 +9,7 @@ Everything below runs in one process, in the same run, with the same threads (co
    step`` -- the loop a user would write.
 3. largebatch: per configuration (--configs, e.g. ``fp32``, ``fp32-cl``, ``bf16-cl``, ``fp32-cl-compile``:
    precision, channels_last, torch.compile) a real `Trainer` on the synthetic source (world size 1), timed
-   through `Trainer._train_step` on micro-batches from its own sampler and source: uint8 pixels until the
+   through `Trainer.train_step` (largebatch/step.py) on micro-batches from its own sampler and source: uint8 pixels until the
    model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (foreach SGD), the one
    finiteness host sync per step. The product's step, not a separate loop; the crop of the next batch is
    timed with it.
@@ -134,7 +134,7 @@ def _stem(args) -> str:
 
 def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = torch.device("cpu")
                        ) -> Callable[[], None]:
-    """Step 3: a real Trainer, and a closure running one `_train_step` on its next micro-batches."""
+    """Step 3: a real Trainer, and a closure running one `train_step` on its next micro-batches."""
     from largebatch.config import from_dict
     from largebatch.trainer import Trainer
 
@@ -159,13 +159,13 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
                 return next(state["it"])
             except StopIteration:   # a new epoch of the synthetic source
                 state["epoch"] += 1
-                state["it"] = iter(trainer.train_data.batches(trainer._micro_batches(state["epoch"], 0, phase),
+                state["it"] = iter(trainer.train_data.batches(trainer.batches.micro_batches(state["epoch"], 0, phase),
                                                               train=True, epoch=state["epoch"]))
         raise RuntimeError("the synthetic source yielded no batches")
 
     def step() -> None:
         micros = [next_micro() for _ in range(phase.accumulation)]
-        trainer._train_step(micros, phase, lr)   # ends in the per-step finiteness host sync
+        trainer.train_step(0, micros, phase, lr)   # ends in the per-step finiteness host sync
     return step
 
 
