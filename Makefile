@@ -36,6 +36,7 @@ train: setup
 
 test: setup
 	$(VENV)/bin/ruff check largebatch tests scripts
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-runs:

@@ -33,7 +33,7 @@ def _choices(*values: str, doc: str) -> Any:
 
 def _doc(default: Any, doc: str, **meta: Any) -> Any:
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"doc": doc, **meta})
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"doc": doc, **meta})
     return field(default=default, metadata={"doc": doc, **meta})
 
 

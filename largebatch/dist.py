@@ -11,6 +11,7 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     info = env_info()
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
         store = attempt_store(timeout_s)   # per-restart key space (stale keys of a killed attempt otherwise)
@@ -171,7 +172,8 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float) -> 
 
     ddp_cls = torch.nn.parallel.DistributedDataParallel
     params = inspect.signature(ddp_cls.__init__).parameters
-    no_broadcast = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    no_broadcast: dict[str, Any] = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                                    else {"broadcast_buffers": False})
     return ddp_cls(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
                    gradient_as_bucket_view=True, **no_broadcast)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -84,6 +85,7 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
                                     channels_last=channels_last, batch=batch)
         rows.append(_counts(probs, labels))
         total = probs if total is None else total.add_(probs)
+    assert total is not None and labels is not None   # states is not empty
     rows.append(_counts(total / len(states), labels))
     if swa_source is not None:
         work.load_state_dict(average_states(states))
@@ -93,8 +95,8 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
                                     channels_last=channels_last, batch=batch)
         rows.append(_counts(probs, labels))
     table = scoring.reduce_rows(torch.stack(rows), world_size)   # one collective for every member's counts
-    out = {"snapshots": [scoring.as_metrics(r) for r in table[:len(states)]],
-           "ensemble": scoring.as_metrics(table[len(states)])}
+    out: dict[str, Any] = {"snapshots": [scoring.as_metrics(r) for r in table[:len(states)]],
+                           "ensemble": scoring.as_metrics(table[len(states)])}
     out["swa"] = scoring.as_metrics(table[len(states) + 1]) if swa_source is not None else None
     return out
 
@@ -132,7 +134,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
             model(x)
     for m, momentum in zip(bns, momenta):
         m.momentum = momentum
-    scoring.average_buffers([b for m in bns for b in (m.running_mean, m.running_var)], world_size)
+    scoring.average_buffers([b for m in bns for b in (m.running_mean, m.running_var) if b is not None], world_size)
     model.eval()
 
 

@@ -51,7 +51,7 @@ def first_report(text: str) -> bool:
         return True
 
 
-_OS_FIXES = {
+_OS_FIXES: dict[int | None, str] = {   # keyed by OSError.errno, which may be None
     errno.ENOSPC: "free space on that disk or write elsewhere",
     errno.EDQUOT: "free space within your quota or write elsewhere",
     errno.EACCES: "check its permissions or choose a path you can write to",

@@ -68,7 +68,7 @@ class ProgressDisplay:
     def update(self, rec: dict) -> None:
         if not self.enabled:
             return
-        if self.live:
+        if self.progress is not None:   # the live display
             self.progress.update(self.task, completed=rec["step"], epoch=f"{rec['epoch']:.2f}",
                                  loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.4g}", batch=rec["global_batch"],
                                  ips=f"{rec['images_per_s']:.0f}")

@@ -74,7 +74,7 @@ class NoiseScale:
 
     def update(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> dict:
         g2, trace = estimates(small_sq, big_sq, b_small, b_big)
-        if self.g2 is None:
+        if self.g2 is None or self.trace is None:   # both None before the first measurement
             self.g2, self.trace = g2, trace
         else:
             self.g2 = self.decay * self.g2 + (1 - self.decay) * g2

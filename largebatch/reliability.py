@@ -105,9 +105,9 @@ def preflight(info, *, config_hash: str, train_size: int, test_size: int) -> Non
             "local world size": info.local_world_size, "train images": train_size, "test images": test_size,
             "local rank": info.local_rank, "node rank": info.node_rank}
     if not info.distributed:
-        reports = [mine]
+        reports: list = [mine]
     else:
-        reports = [None] * info.world_size
+        reports = [None] * info.world_size   # filled with every rank's dict
         dist.all_gather_object(reports, mine)
     check_reports(reports)
 

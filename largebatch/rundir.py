@@ -92,7 +92,8 @@ class Claim:
     """Step 3: the exclusive lock on a run directory, held until `release()` or process exit."""
 
     def __init__(self, path: Path, fd: int):
-        self.path, self._fd = path, fd
+        self.path = path
+        self._fd: int | None = fd
 
     def release(self) -> None:
         if self._fd is not None:

@@ -193,6 +193,7 @@ class Plan:
 
     def _segments(self) -> list["Segment"]:
         e = self.ensemble
+        assert e is not None   # called only with an ensemble
         s = self.schedule
         if e.cycles < 0 or e.collapse_epochs <= 0 or e.rewarm_epochs < 0 or e.cycle_lr_factor <= 0 \
                 or e.collapse_wd_factor < 0:
@@ -231,7 +232,7 @@ class Plan:
         return seg.collapse_step <= step < seg.end_step
 
     def weight_decay_factor(self, step: int) -> float:
-        return self.ensemble.collapse_wd_factor if self.in_collapse(step) else 1.0
+        return self.ensemble.collapse_wd_factor if self.ensemble is not None and self.in_collapse(step) else 1.0
 
     def snapshot_steps(self) -> list[int]:
         """Steps (counted after the step) at which a collapsed snapshot is saved."""

@@ -53,8 +53,8 @@ def counts(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                         torch.tensor(float(labels.numel()), dtype=torch.float64, device=labels.device)])
 
 
-def reduce_rows(table: torch.Tensor, world_size: int) -> list[list[float]]:
-    """Step 4: the count rows summed over ranks (one collective, one host read)."""
+def reduce_rows(table: torch.Tensor, world_size: int) -> list:
+    """Step 4: the count rows summed over ranks (one collective, one host read); one row for a 1-D table."""
     if world_size > 1:
         dist.all_reduce(table)
     return table.cpu().tolist()

@@ -15,6 +15,7 @@ touches tensors.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -54,10 +55,11 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         measure = self.noise is not None and (step + 1) % self.log_every == 0            # 3
+        ddp = cast(nn.parallel.DistributedDataParallel, self.ddp)   # the DDP module when distributed
         for i, (x, y) in enumerate(micros):                                              # 2
             x, y = self.to_device(x, y, size)
             last = i == len(micros) - 1 and not measure
-            sync = contextlib.nullcontext() if (last or not self.distributed) else self.ddp.no_sync()
+            sync = contextlib.nullcontext() if (last or not self.distributed) else ddp.no_sync()
             with sync:
                 with autocast(self.device, self.precision):
                     logits = self.forward(x)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,14 +32,19 @@ from largebatch.progress import LogWindow, Progress
 from largebatch.schedule import Plan, resolution_at
 from largebatch.step import TrainStep
 
+if TYPE_CHECKING:
+    from largebatch.comm.hook import CommHookState
+    from largebatch.data import Source
+
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False):
-        # what `close` stops, present even when building fails part-way
+        # what `close` stops, present even when building fails part-way (None only until `_build` sets it)
         self.watchdog: reliability.Watchdog | None = None
-        self.comm_state = None
+        self.comm_state: CommHookState | None = None
         self.claim: rundir.Claim | None = None
-        self.train_data = self.test_data = None
+        self.train_data: Source | None = None
+        self.test_data: Source | None = None
         try:
             self._build(cfg, run_dir, resume, quiet)
         except BaseException:
@@ -91,7 +97,7 @@ class Trainer:
         self.ema = build_ema(model, t.ema)
 
         # 6. data parallelism and the communication hook
-        self.ddp = model
+        self.ddp: torch.nn.Module = model
         if self.info.distributed:
             self.ddp = dist_mod.wrap_ddp(model, self.device, cfg.comm.bucket_mb)
             if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
@@ -139,7 +145,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if self.saved_step == self.step:   # already written (e.g. a stop at an epoch end)
             return
-        with self.watchdog.guard(self.step, "checkpoint (BN sync + barrier)"):
+        with self._guard("checkpoint (BN sync + barrier)"):
             self._sync_buffers()   # every rank must hold the same BN statistics when they are written
             if self.main:
                 self.state.save(self.step, self.plan.epoch_float(self.step), self._session_wall())
@@ -148,6 +154,11 @@ class Trainer:
         self.saved_step = self.step
 
     # ------------------------------------------------------------------ helpers
+    def _guard(self, region: str):
+        """The watchdog's guard of a collective-bearing region at this step (reliability.Watchdog)."""
+        assert self.watchdog is not None   # set by `_build`; None only while building
+        return self.watchdog.guard(self.step, region)
+
     def _session_wall(self) -> float:
         return time.perf_counter() - self.t_start if self.t_start is not None else 0.0
 
@@ -170,7 +181,7 @@ class Trainer:
         when every thread ended."""
         joined = reliability.stop_threads(self.watchdog, self.comm_state, timeout_s)
         for source in (self.train_data, self.test_data):
-            if hasattr(source, "close"):
+            if source is not None and hasattr(source, "close"):
                 source.close()
         if self.claim is not None:   # the run directory is free for the next writer (e.g. --resume)
             self.claim.release()
@@ -224,7 +235,7 @@ class Trainer:
         if self.plan.segments:
             ensemble.set_weight_decay(self.optimizer, self.base_weight_decay, self.plan.weight_decay_factor(self.step))
         self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
-        with self.watchdog.guard(self.step, "training step (stop flag + gradient all-reduce)"):
+        with self._guard("training step (stop flag + gradient all-reduce)"):
             self.stop.start()                 # async flag all-reduce, overlaps the step
             self.window.loss += self.train_step(self.step, micros, phase, lr, resolution_at(
                 self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
@@ -254,15 +265,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _log_eval(self) -> dict:
-        with self.watchdog.guard(self.step, "evaluation"):
+        """Evaluate the model (the EMA model when there is one) on the test (or validation) set; log it."""
+        model = self.ema.module if self.ema is not None else self.model
+        with self._guard("evaluation"):
             self._sync_buffers()
-            result = scoring.evaluate(self.ema.module if self.ema is not None else self.model, self.test_data, self.info, self.device,
-                                      precision=self.cfg.train.precision, channels_last=self.channels_last,
-                                      flip=self.cfg.train.eval_flip,
+            result = scoring.evaluate(model, self.test_data, self.info, self.device, precision=self.cfg.train.precision,
+                                      channels_last=self.channels_last, flip=self.cfg.train.eval_flip,
                                       batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch))
         self.progress.best_top1 = max(self.progress.best_top1, result["top1"])
-        rec = {"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4), **result, "time": self.progress.wall_before + self._session_wall()}
-        self.metrics.write(rec)
+        self.metrics.write({"kind": "eval", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
+                            **result, "time": self.progress.wall_before + self._session_wall()})
         if self.main and not self.quiet:
             self.display.message(f"eval step {self.step}: top-1 {result['top1']:.4f}  top-5 {result['top5']:.4f}  "
                                  f"loss {result['loss']:.4f}")
@@ -297,7 +309,7 @@ class Trainer:
         wall = self.progress.wall_before + self._session_wall()
         corrupt = list(getattr(self.train_data, "corrupt", [])) + list(getattr(self.test_data, "corrupt", []))
         # every rank skipped its own share of the corrupt files; a file is met once per epoch and evaluation
-        with self.watchdog.guard(self.step, "gather corrupt-image lists"):
+        with self._guard("gather corrupt-image lists"):
             corrupt = dist_mod.gather_union(corrupt, self.info.world_size)
         summary = {
             "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),

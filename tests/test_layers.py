@@ -27,14 +27,20 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:])
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("largebatch"):
-            if node.module == "largebatch":
-                out |= {f"largebatch.{a.name}" for a in node.names}
-            else:
-                out.add(node.module)
+            # `from PACKAGE import submodule` imports the submodule (and runs PACKAGE's __init__ first, which
+            # is no edge of its own when the importer lives in PACKAGE); any other name comes from PACKAGE
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if _is_module(sub) else node.module)
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("largebatch")}
     return out
@@ -81,3 +87,53 @@ def test_the_rule_sees_violations():
     """The checker itself: a runtime module importing a command is caught."""
     assert _layer("largebatch.data.idx") < _layer("largebatch.commands.train")
     assert _imports(ROOT / "trainer.py") >= {"largebatch.scoring", "largebatch.comm"}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles: the strongly connected components of more than one module (Tarjan), plus self-imports.
+    An import of a name from a package counts as an import of its __init__."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """No circle, function-level imports included: a submodule that takes a name from its own package's
+    __init__ (which imports the submodule) is a circle too."""
+    graph = {m: {d for d in deps if d != m} for m, deps in GRAPH.items()}
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_circle_finder_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

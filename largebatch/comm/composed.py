@@ -79,7 +79,7 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
         return
     lg, lranks, _ = local
     k = len(lranks)
-    wire = codec.wire if codec.lossy else flat.dtype
+    wire = codec.wire_dtype(flat.dtype)
     cut = bounds(flat.numel(), max(1, min(pieces, flat.numel())))
     bufs, outs, works = [], [], []
     for j in range(len(cut) - 1):                                               # 1.-2.
@@ -90,7 +90,7 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
             out.copy_(buf)
         bufs.append(buf)
         outs.append(out)
-    cross_works = []
+    cross_works: list[Optional[dist.Work]] = []
     for out, work in zip(outs, works):                                          # 3.
         if work is not None:
             work.wait()
@@ -164,7 +164,7 @@ class Chain:
         ticket, self._tickets = self._tickets, self._tickets + 1
         buffer.div_(world)                                                      # DDP averages; pre-divided
         k = len(self.local[1])
-        wire = codec.wire if codec.lossy else buffer.dtype
+        wire = codec.wire_dtype(buffer.dtype)
         buf = _padded(buffer, k, wire)
         out = torch.empty(buf.numel() // k, dtype=wire, device=buffer.device)
         recv = None

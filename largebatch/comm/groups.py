@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from largebatch.errors import UserError
 
-_CACHE: dict[tuple, tuple[dist.ProcessGroup, list[int], int]] = {}
+_CACHE: dict[tuple, tuple[Optional[dist.ProcessGroup], list[int], int]] = {}
 
 
 def _key(group: Optional[dist.ProcessGroup]) -> object:

@@ -51,7 +51,7 @@ def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist
     send_buf = scratch(n, wdt, flat.device, slot=1) if codec.lossy else None
 
     def encoded(x: torch.Tensor) -> torch.Tensor:
-        return codec.encode(x, send_buf[:x.numel()]) if codec.lossy else x
+        return x if send_buf is None else codec.encode(x, send_buf[:x.numel()])
 
     # 1. fold the r extra ranks into their odd partners
     if i < 2 * r:

@@ -38,14 +38,17 @@ so the state can be checkpointed and re-installed with `register`.
 """
 import queue
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 
-from largebatch.comm import Spec, resolve, run, setup
+from largebatch.comm.dispatch import Spec, resolve, run, setup
 from largebatch.comm.compression import get_codec
 from largebatch.comm.groups import members
+
+if TYPE_CHECKING:
+    from largebatch.comm.composed import Chain
 
 
 class CommHookState:
@@ -83,7 +86,7 @@ class CommHookState:
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
         self._streams: dict = {}
-        self._chain = None
+        self._chain: Optional["Chain"] = None
         self._world = 1
         self._cuda_on_gloo = False
 
@@ -92,7 +95,7 @@ class CommHookState:
         return {k: getattr(self, k) for k in self.FIELDS}
 
     def __setstate__(self, fields: dict) -> None:
-        self.__init__(**fields)
+        type(self).__init__(self, **fields)
 
     def __repr__(self) -> str:
         return "CommHookState(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
@@ -108,7 +111,7 @@ class CommHookState:
             return
         self._cuda_on_gloo = (device is not None and device.type == "cuda"
                               and dist.get_backend(ddp_group) == "gloo")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if self.timeout_s is not None:
             import datetime
 
@@ -138,6 +141,7 @@ class CommHookState:
         """Stop the communication thread (after the queued buckets are done) and join it; True when it
         has ended (False: still inside a collective after ``timeout_s``, e.g. with a dead peer)."""
         if self._thread is not None:
+            assert self._queue is not None   # created with the thread
             self._queue.put(None)
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -165,17 +169,21 @@ class CommHookState:
 
     def submit(self, buffer: torch.Tensor) -> torch.futures.Future:
         """Queue an in-place average of ``buffer``; the future completes with ``buffer``."""
+        fut: torch.futures.Future
+        ready: Optional[torch.cuda.Event]
         if buffer.is_cuda:
             fut = torch.futures.Future(devices=[buffer.device])
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(buffer.device))   # the bucket's producer
         else:
             fut, ready = torch.futures.Future(), None
+        assert self._queue is not None   # the hook submits only after `start` created the thread
         self._queue.put((buffer, ready, fut))
         return fut
 
     def _loop(self) -> None:
         while True:
+            assert self._queue is not None   # cleared only after this thread has ended
             item = self._queue.get()
             if item is None:
                 return
@@ -235,5 +243,6 @@ def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any
         raise TypeError("give either state= or options, not both")
     device = next((p.device for p in ddp_model.parameters()), None)
     state.start(getattr(ddp_model, "process_group", None), device)
-    ddp_model.register_comm_hook(state, comm_hook)
+    # a DDP module: nn.Module's typing does not know its methods
+    cast(torch.nn.parallel.DistributedDataParallel, ddp_model).register_comm_hook(state, comm_hook)
     return state

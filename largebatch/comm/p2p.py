@@ -27,25 +27,25 @@ import torch.distributed as dist
 def exchange(send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor], src: int,
              group: Optional[dist.ProcessGroup]) -> None:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from global rank ``src`` (steps 1-4)."""
-    do_recv = recv is not None and recv.numel() > 0
-    do_send = send is not None and send.numel() > 0
-    if not (do_recv or do_send):
+    recv = recv if recv is not None and recv.numel() > 0 else None
+    send = send if send is not None and send.numel() > 0 else None
+    if recv is None and send is None:
         return
     if dist.get_backend(group) == "gloo":                                  # 2. (~3 us lookup)
-        if (do_recv and recv.is_cuda) or (do_send and send.is_cuda):
-            _exchange_staged(send if do_send else None, dst, recv if do_recv else None, src, group)
+        if (recv is not None and recv.is_cuda) or (send is not None and send.is_cuda):
+            _exchange_staged(send, dst, recv, src, group)
             return
-        rw = dist.irecv(recv, src, group) if do_recv else None            # 1. receive first
-        sw = dist.isend(send, dst, group) if do_send else None
+        rw = dist.irecv(recv, src, group) if recv is not None else None   # 1. receive first
+        sw = dist.isend(send, dst, group) if send is not None else None
         if rw is not None:                                                # 4.
             rw.wait()
         if sw is not None:
             sw.wait()
         return
     ops = []                                                              # 3.
-    if do_recv:
+    if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv, src, group))
-    if do_send:
+    if send is not None:
         ops.append(dist.P2POp(dist.isend, send, dst, group))
     for work in dist.batch_isend_irecv(ops):                              # 4.
         work.wait()
@@ -61,6 +61,7 @@ def _exchange_staged(send: Optional[torch.Tensor], dst: int, recv: Optional[torc
     sw = dist.isend(host_send, dst, group) if host_send is not None else None
     if rw is not None:
         rw.wait()
+        assert recv is not None and host_recv is not None   # rw is the receive into host_recv
         recv.copy_(host_recv)
     if sw is not None:
         sw.wait()

@@ -55,7 +55,7 @@ def reduce_scatter(flat: torch.Tensor, ranks: list[int], i: int, group: Optional
         send = flat[off[cs]:off[cs + 1]]
         dst = flat[off[cr]:off[cr + 1]]
         recv = recv_buf[:dst.numel()]
-        exchange(codec.encode(send, send_buf[:send.numel()]) if codec.lossy else send, nxt, recv, prv, group)
+        exchange(send if send_buf is None else codec.encode(send, send_buf[:send.numel()]), nxt, recv, prv, group)
         dst.add_(recv)
     own = owned_chunk(i, p)                                           # step 3
     codec.round_(flat[off[own]:off[own + 1]])

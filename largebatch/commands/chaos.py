@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
@@ -199,7 +200,7 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     proc = subprocess.Popen(_train_cmd(args.recipe, args.overrides, run_dir, args.kills + 5), stdout=log,
                             stderr=log, start_new_session=True)
-    kills = []
+    kills: list[dict[str, Any]] = []
     try:
         # 3. kills
         for k in range(args.kills):

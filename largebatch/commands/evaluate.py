@@ -71,7 +71,8 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     model = build_classifier(cfg, data_info).to(device)
     channels_last = use_channels_last(cfg.train.channels_last, device, cfg.train.precision)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        # ignore: torch's stubs for Module.to omit memory_format (documented, accepted at run time)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     out: dict = {"run_dir": str(run_dir), "world_size": info.world_size}
     if use_ensemble:
         states, metas = ensemble.load_states(run_dir)

@@ -157,7 +157,8 @@ def _sweep(args) -> int:
     money = "cost_usd" if args.price_per_device_hour is not None else "device_hours"
     figs = [("scaling_efficiency.png", "scaling efficiency (vs one device)", lambda p: p.scaling_efficiency, True),
             ("time_to_train.png", "time-to-train (h)", lambda p: p.time_to_train_s / 3600, True),
-            ("cost_vs_time.png", "cost (USD)" if money == "cost_usd" else "device-hours", None, False)]
+            ("cost_vs_time.png", "cost (USD)" if money == "cost_usd" else "device-hours", lambda p: getattr(p, money),
+             False)]
     for name, ylabel, fn, by_devices in figs:
         fig, ax = plt.subplots(figsize=(6, 4))
         for alg in ALGORITHMS:
@@ -165,7 +166,7 @@ def _sweep(args) -> int:
             if by_devices:
                 ax.plot(counts, [fn(p) for p in ps], marker="o", label=alg)
             else:
-                ax.plot([p.time_to_train_s / 3600 for p in ps], [getattr(p, money) for p in ps], marker="o", label=alg)
+                ax.plot([p.time_to_train_s / 3600 for p in ps], [fn(p) for p in ps], marker="o", label=alg)
         ax.set_xscale("log")
         ax.set_xlabel("devices" if by_devices else "time-to-train (h)")
         ax.set_ylabel(ylabel)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 from largebatch import rundir
 from largebatch.cli import ArgumentParser, check_numbers
@@ -123,7 +124,7 @@ def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict
                 if chosen is not None:
                     if (b, o) not in chosen:
                         raise UserError(f"--from-tuning has no choice for {o} at batch {b}; tune that cell too.")
-                    lrs = [chosen[(b, o)]]
+                    lrs: Sequence[float | None] = [chosen[(b, o)]]
                 else:
                     lrs = grid.get(o) or [None]
                 cells += [(b, o, lr, s) for lr in lrs]
@@ -289,10 +290,11 @@ def plot(table: dict, optimizers: list[str], path: Path, train_size: int | None 
     ax.set_xlabel("global batch (images)")
     ax.set_ylabel(f"{split} top-1 (%)")
     if train_size:
+        import numpy as np
         from matplotlib.ticker import NullFormatter
 
         scale = IMAGENET_IMAGES / train_size
-        top = ax.secondary_xaxis("top", functions=(lambda b: b * scale, lambda b: b / scale))
+        top = ax.secondary_xaxis("top", functions=(lambda b: np.multiply(b, scale), lambda b: np.divide(b, scale)))
         batches = sorted({c["batch"] for c in table.values()})
         top.set_xticks([b * scale for b in batches], [f"{b * scale / 1000:.3g}K" for b in batches])
         top.xaxis.set_minor_formatter(NullFormatter())
@@ -413,8 +415,9 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
             else:
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
-    cell = {"run_dir": str(run_dir), "top1": None, "diverged": diverged_path.exists() and not summary_path.exists(),
-            "command": " ".join(shlex.quote(c) for c in ["largebatch", *argv])}
+    cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None,
+                            "diverged": diverged_path.exists() and not summary_path.exists(),
+                            "command": " ".join(shlex.quote(c) for c in ["largebatch", *argv])}
     if summary_path.exists():
         summ = json.loads(summary_path.read_text())
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],

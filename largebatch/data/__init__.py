@@ -10,39 +10,16 @@ model's ``Normalize(info.mean, info.std)``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from largebatch.data.info import FASHION_MNIST_ROOT, IMAGENET_MEAN, IMAGENET_STD, DatasetInfo, Source
 from largebatch.errors import UserError
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    num_classes: int
-    in_channels: int
-    image_size: int
-    mean: tuple[float, ...]  # per channel, in 0..1 units
-    std: tuple[float, ...]
-    train_size: int
-    test_size: int
-    name: str
-
-
-class Source(Protocol):
-    corrupt: list[str]
-
-    def __len__(self) -> int: ...
-
-    def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+__all__ = ["FASHION_MNIST_ROOT", "IMAGENET_MEAN", "IMAGENET_STD", "DatasetInfo", "Source", "build_data"]
 
 
 def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ class ImageFolderSource:
 
     def _get_loader(self) -> DataLoader:
         if self._loader is None:
-            kwargs = {}
+            kwargs: dict[str, Any] = {}
             if self.workers > 0:
                 kwargs = dict(persistent_workers=True, prefetch_factor=4)
             self._loader = DataLoader(self.decoder, batch_size=None, sampler=self._feed, num_workers=self.workers,
@@ -158,7 +158,7 @@ class ImageFolderSource:
 
 
 def build_imagefolder(cfg, seed: int):
-    from largebatch.data import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
+    from largebatch.data.info import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
 
     root = Path(cfg.root)
     if root.exists() and not root.is_dir():

@@ -65,7 +65,8 @@ def rrc_box(h: int, w: int, min_scale: float, seed: int, epoch: int, index: int)
             top = int(keyed_random.uniform(seed, epoch, index, s + 2) * (h - ch + 1))
             left = int(keyed_random.uniform(seed, epoch, index, s + 3) * (w - cw + 1))
             return float(top), float(left), float(ch), float(cw)
-    return tuple(float(v) for v in rrc_fallback(h, w))
+    top, left, ch, cw = rrc_fallback(h, w)
+    return float(top), float(left), float(ch), float(cw)
 
 
 def rrc_fallback(h: int, w: int) -> tuple[int, int, int, int]:

@@ -17,7 +17,7 @@ only their low 32 bits are kept, so both give identical numbers.
 """
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import torch
 
@@ -45,7 +45,11 @@ def hash32(seed: int, epoch: int, index: T, stream: int) -> T:
     return _mix((index & _MASK) ^ h)
 
 
-def uniform(seed: int, epoch: int, index: T, stream: int) -> T:
+@overload
+def uniform(seed: int, epoch: int, index: int, stream: int) -> float: ...
+@overload
+def uniform(seed: int, epoch: int, index: torch.Tensor, stream: int) -> torch.Tensor: ...
+def uniform(seed: int, epoch: int, index: T, stream: int) -> float | torch.Tensor:
     """Step 3: a float in [0, 1) (a Python float, or a float64 tensor)."""
     h = hash32(seed, epoch, index, stream)
     if isinstance(h, torch.Tensor):

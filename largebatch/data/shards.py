@@ -183,7 +183,9 @@ def _read_pieces(root: Path, names: list[str], pieces: list[tuple[int, int, int]
                         break
                 if sample < first:
                     continue  # skipped by seek: tarfile does not read data we do not extract
-                data = tar.extractfile(member).read()
+                f = tar.extractfile(member)
+                assert f is not None, f"{member.name}: not a regular file (pack writes only files)"
+                data = f.read()
                 if ext == "jpg":
                     jpg = data
                 elif ext == "cls":
@@ -285,7 +287,9 @@ class ShardSource:
                 if self.on_corrupt == "fail":
                     raise UserError(f"corrupt image {corrupt[0]} in the shards; re-pack from a clean ImageFolder, "
                                     f"or set data.on_corrupt=skip.")
-            xs.append(x), ys.append(y), ks.append(k)
+            xs.append(x)
+            ys.append(y)
+            ks.append(k)
             have += len(y)
             while True:
                 if want is None:
@@ -314,7 +318,7 @@ class ShardSource:
 
 
 def build_shards(cfg, seed: int):
-    from largebatch.data import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
+    from largebatch.data.info import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
     from largebatch.dist import env_info
 
     root = Path(cfg.root)

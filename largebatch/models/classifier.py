@@ -30,4 +30,5 @@ def build_classifier(cfg: Config, info, device: torch.device | None = None, chan
     net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
                       zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
-    return model.to(memory_format=torch.channels_last) if channels_last else model
+    # ignore: torch's stubs for Module.to omit memory_format (documented, accepted at run time)
+    return model.to(memory_format=torch.channels_last) if channels_last else model  # type: ignore[call-overload]

@@ -25,6 +25,10 @@ class Normalize(nn.Module):
     follow `.to(device)` but are not written to checkpoints.
     """
 
+    scale: Tensor      # the buffers registered in __init__
+    scale_u8: Tensor
+    shift: Tensor
+
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         mean_t = torch.as_tensor(list(mean), dtype=torch.float32).reshape(1, -1, 1, 1)

@@ -111,8 +111,9 @@ def init_weights(model: nn.Module) -> None:
 class ResNet(nn.Module):
     """ResNet with an ImageNet or small-image stem; see the module docstring for the steps."""
 
-    def __init__(self, block: type, layers: list[int], num_classes: int, in_channels: int = 3,
-                 stem: str = "imagenet", zero_init_residual: bool = True, width: int = 64) -> None:
+    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int], num_classes: int,
+                 in_channels: int = 3, stem: str = "imagenet", zero_init_residual: bool = True,
+                 width: int = 64) -> None:
         super().__init__()
         if stem not in STEMS:
             raise ValueError(f"stem must be one of {STEMS}, got {stem!r}")

@@ -77,14 +77,15 @@ class SpeedrunNet(nn.Module):
         a = ACTS[act]
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), a())
         # 2. Three stages, each halving the resolution.
-        self.stages = nn.Sequential(ConvStage(width, 2 * width, a), ConvStage(2 * width, 4 * width, a),
-                                    ConvStage(4 * width, 8 * width, a))
+        stages = [ConvStage(width, 2 * width, a), ConvStage(2 * width, 4 * width, a),
+                  ConvStage(4 * width, 8 * width, a)]
+        self.stages = nn.Sequential(*stages)
         # 3. Max pool and a scaled linear classifier.
         self.pool = nn.AdaptiveMaxPool2d(1)
         self.fc = nn.Linear(8 * width, num_classes, bias=False)
         self.scale = scale
         if zero_init_residual:
-            for stage in self.stages:
+            for stage in stages:
                 nn.init.zeros_(stage.last_bn.weight)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -21,7 +21,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups, by shape (not by name): weights (ndim >= 2) with `weight_decay`, and BN/bias
     parameters (ndim <= 1) with no weight decay and "lars_exclude": True. Empty groups are left out;
     parameters that do not require gradients are skipped."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 else decay).append(p)

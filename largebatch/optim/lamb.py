@@ -18,7 +18,7 @@ steps 1-3 without weight decay (u = r) and no trust ratio (w = w - gamma * r).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -43,8 +43,8 @@ class LAMB(Optimizer):
                         bias_correction=bias_correction, lars_exclude=False)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
+    @torch.no_grad()   # ignore: torch types the closure as returning a float; ours returns the loss tensor
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -74,7 +74,8 @@ class LAMB(Optimizer):
             if not params:
                 continue
             buckets = self._group_tensors_by_device_and_dtype([params, grads, ms, vs], with_indices=True)
-            for (ps, gs, ms_, vs_), idx in buckets.values():
+            for tensors, idx in buckets.values():   # typed as lists of optional tensors; these hold none
+                ps, gs, ms_, vs_ = (cast(list[Tensor], ts) for ts in tensors)
                 _lamb_update(ps, gs, ms_, vs_, [bc1[i] for i in idx], [bc2[i] for i in idx], lr=group["lr"],
                              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                              exclude=group["lars_exclude"])

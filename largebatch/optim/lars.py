@@ -23,7 +23,7 @@ reads a tensor value on the host.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -52,8 +52,8 @@ class LARS(Optimizer):
                         eps=eps, nesterov=nesterov, lars_exclude=False)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
+    @torch.no_grad()   # ignore: torch types the closure as returning a float; ours returns the loss tensor
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -79,7 +79,8 @@ class LARS(Optimizer):
             if not params:
                 continue
             buckets = self._group_tensors_by_device_and_dtype([params, grads, bufs])
-            for (ps, gs, vs), _ in buckets.values():
+            for tensors, _ in buckets.values():   # typed as lists of optional tensors; these hold none
+                ps, gs, vs = (cast(list[Tensor], ts) for ts in tensors)
                 _lars_update(ps, gs, vs, lr=lr, momentum=m, correction=correction, weight_decay=group["weight_decay"],
                              eta=group["trust_coefficient"], eps=group["eps"], nesterov=group["nesterov"],
                              exclude=group["lars_exclude"])

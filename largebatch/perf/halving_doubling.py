@@ -42,7 +42,7 @@ def cost(nbytes: float, topo: Topology, ranks: Sequence[int] | None = None,
     if r:  # 1. fold the extra ranks in
         pairs = [(g[2 * i], g[2 * i + 1]) for g in groups for i in range(r)]
         t += topo.step(pairs, nbytes, reduce=True)
-    actives = [[g[2 * i + 1] for i in range(r)] + g[2 * r:] for g in groups]
+    actives = [[g[2 * i + 1] for i in range(r)] + list(g[2 * r:]) for g in groups]
     steps = p2.bit_length() - 1
     halving = 0.0
     doubling = 0.0

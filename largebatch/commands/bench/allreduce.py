@@ -332,6 +332,7 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
     import torch.distributed as dist
 
     intra = link("intra") or link("inter")
+    assert intra is not None   # 2 or more ranks: measure_links fitted intra (k > 1) or inter (p > k)
     topo = cost.topology(p, k, intra, link("inter"), links["gamma_s_per_byte"])
     backend = "nccl" if dist.is_initialized() and dist.get_backend() == "nccl" else "gloo"
     small = SMALL_BYTES if args.small_bytes is None else args.small_bytes
@@ -480,7 +481,7 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
     for _, _, state, _ in runs:
         if state is not None:
             state.close()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for hook in hooks:
         rows.append({"hook": hook, "compression": compression if hook not in ("ddp", "noop") else "none",
                      "step_s": statistics.median(samples[hook]), "samples_s": samples[hook],

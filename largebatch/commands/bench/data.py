@@ -61,7 +61,7 @@ def natural_image(seed: int, width: int = 500, height: int = 375) -> np.ndarray:
     base = np.stack([(xx * r.uniform(0.2, 0.6) + yy * r.uniform(0.1, 0.5) + r.uniform(0, 255)) % 256
                      for _ in range(3)], -1)
     small = r.integers(0, 256, (12, 16, 3), dtype=np.uint8)
-    blobs = np.asarray(Image.fromarray(small).resize((width, height), Image.BICUBIC), dtype=np.float32)
+    blobs = np.asarray(Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
     img = 0.5 * base + 0.5 * blobs + r.normal(0, 12, (height, width, 3))
     return np.clip(img, 0, 255).astype(np.uint8)
 
@@ -113,9 +113,9 @@ class PlainPillow(Dataset):
         with open(self.paths[i], "rb") as f:                                    # default_loader
             img = Image.open(f).convert("RGB")
         top, left, ch, cw = rrc_params(img.size[0], img.size[1], self.min_scale)  # RandomResizedCrop
-        img = img.crop((left, top, left + cw, top + ch)).resize((self.size, self.size), Image.BILINEAR)
+        img = img.crop((left, top, left + cw, top + ch)).resize((self.size, self.size), Image.Resampling.BILINEAR)
         if random.random() < 0.5:                                               # RandomHorizontalFlip
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = to_tensor(img)                                                      # ToTensor
         x = x.clone().sub_(self.mean).div_(self.std)                            # Normalize (inplace=False)
         return x, self.labels[i]
@@ -177,16 +177,18 @@ def stage_costs(files: list[bytes], size: int, min_scale: float, repeats: int = 
     boxes = [rrc_params(im.size[0], im.size[1], min_scale) for im in imgs]
     plain["crop + resize (bilinear)"], crops = timed(
         lambda i, im: im.crop((boxes[i][1], boxes[i][0], boxes[i][1] + boxes[i][3], boxes[i][0] + boxes[i][2]))
-        .resize((size, size), Image.BILINEAR), imgs)
-    plain["flip"], _ = timed(lambda i, im: im.transpose(Image.FLIP_LEFT_RIGHT), crops)
+        .resize((size, size), Image.Resampling.BILINEAR), imgs)
+    plain["flip"], _ = timed(lambda i, im: im.transpose(Image.Transpose.FLIP_LEFT_RIGHT), crops)
     plain["ToTensor"], xs = timed(lambda i, im: to_tensor(im), crops)
     plain["Normalize"], _ = timed(lambda i, x: x.clone().sub_(mean).div_(std), xs)
     plain["total"] = round(sum(plain.values()), 3)
 
+    def header_box(i: int, d: bytes) -> tuple[tuple[int, int], jpeg.Box]:
+        h, w = simplejpeg.decode_jpeg_header(d)[:2]   # one header read, as jpeg.decode_crop does
+        return (h, w), jpeg.rrc_box(h, w, min_scale, 0, 0, i)
+
     ours: dict[str, float] = {}
-    ours["header + crop box"], heads = timed(
-        lambda i, d: (simplejpeg.decode_jpeg_header(d)[:2], jpeg.rrc_box(*simplejpeg.decode_jpeg_header(d)[:2],
-                                                                          min_scale, 0, 0, i)), files)
+    ours["header + crop box"], heads = timed(header_box, files)
     factors = [jpeg.dct_factor(h, w, box, size) for (h, w), box in heads]
     ours["decode (DCT-scaled)"], pixels = timed(
         lambda i, d: jpeg._decode(d, heads[i][0][0], heads[i][0][1], "RGB", factors[i]), files)

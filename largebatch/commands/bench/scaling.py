@@ -118,8 +118,8 @@ def main(argv: list[str]) -> int:
     }
     print(f"weak scaling 1 -> {args.workers} workers ({args.model} w{args.width} @ {args.image_size} px, "
           f"{args.per_worker_batch} img/worker, {args.threads} thread(s) each); 1 worker {one:.1f} img/s")
-    for a, r in results.items():
-        print(f"  {a:<17} {r['images_per_s']:8.1f} img/s  efficiency {r['efficiency']:.1%}")
+    for a, res in results.items():
+        print(f"  {a:<17} {res['images_per_s']:8.1f} img/s  efficiency {res['efficiency']:.1%}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

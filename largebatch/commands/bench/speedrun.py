@@ -42,11 +42,11 @@ def load(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
     """Step 1: float32 normalised images and labels of both splits."""
     from largebatch.data import idx
 
-    out = []
-    for split in ("train", "t10k"):
-        x, y = idx.load_split(root, split)
-        out += [(x.float() / 255 - MEAN) / STD, y.long()]
-    return tuple(out)
+    def split(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = idx.load_split(root, name)
+        return (x.float() / 255 - MEAN) / STD, y.long()
+
+    return (*split("train"), *split("t10k"))
 
 
 def main(argv: list[str]) -> int:

@@ -32,7 +32,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,7 @@ def plain_step_fn(args, num_classes: int, device: torch.device, model: torch.nn.
     if model is None:
         model = build_model(args.model, num_classes, in_channels=3, stem=_stem(args), width=args.width)
     fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
-    model = model.to(device, memory_format=fmt).train()
+    model = model.to(device, memory_format=fmt).train()  # type: ignore[call-overload]  # stubs omit memory_format
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     forward = torch.compile(model) if spec["compile"] else model
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device).contiguous(memory_format=fmt)
@@ -151,7 +151,9 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
     trainer = Trainer(cfg, run_dir, quiet=True)
     phase = trainer.plan.phase_at(0)
     lr = trainer.plan.lr(0)
-    state = {"epoch": 0, "it": iter(())}
+    state: dict[str, Any] = {"epoch": 0, "it": iter(())}
+    train_data = trainer.train_data
+    assert train_data is not None   # built by Trainer
 
     def next_micro() -> tuple[torch.Tensor, torch.Tensor]:
         for _ in range(2):
@@ -159,8 +161,8 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
                 return next(state["it"])
             except StopIteration:   # a new epoch of the synthetic source
                 state["epoch"] += 1
-                state["it"] = iter(trainer.train_data.batches(trainer.batches.micro_batches(state["epoch"], 0, phase),
-                                                              train=True, epoch=state["epoch"]))
+                state["it"] = iter(train_data.batches(trainer.batches.micro_batches(state["epoch"], 0, phase),
+                                                      train=True, epoch=state["epoch"]))
         raise RuntimeError("the synthetic source yielded no batches")
 
     def step() -> None:

@@ -1,0 +1,163 @@
+"""The dispatch behind `largebatch.comm.allreduce`: algorithm names and their options, validated into a `Spec`
+once, then run on any tensor (the small-message fast path, compression's pre-scaling, averaging).
+
+1. `resolve(algorithm, options)`: a frozen `Spec` (name, wire format, every option with its default); any
+   mistake is one UserError naming the choices.
+2. `run(tensor, spec, group)`: the sum (or average) in place over `group`; tensors under ``small_bytes`` go to
+   the backend's own all-reduce, lossy wire formats pre-divide by the group size.
+3. `setup(algorithm, group)`: the sub-groups an algorithm needs, created collectively ahead of first use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
+from largebatch.comm.compression import WIRE_DTYPES, get_codec
+from largebatch.comm.groups import members
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS
+from largebatch.errors import UserError
+
+ALGORITHMS: dict[str, Callable[..., None]] = {
+    "native": native.allreduce,
+    "ring": ring.allreduce,
+    "halving_doubling": halving_doubling.allreduce,
+    "torus2d": torus2d.allreduce,
+    "hierarchical": hierarchical.allreduce,
+}
+# Algorithm-specific options (beyond `compression`) and their defaults.
+# Below this many bytes the p2p algorithms hand the tensor to `native` (the
+# small-message fast path; option ``small_bytes``, 0 = off). A compromise between
+# the loaded 1 host x 4 and 2 x 2 cluster measurements (docs/communication.md).
+SMALL_BYTES = 256 << 10
+OPTIONS: dict[str, dict[str, Any]] = {
+    "native": {},
+    "ring": {"small_bytes": SMALL_BYTES},
+    "halving_doubling": {"small_bytes": SMALL_BYTES},
+    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES, "impl": "p2p"},
+    "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES,
+                     "impl": "p2p"},
+}
+assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.algorithms.ALLREDUCE names every algorithm here"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated algorithm choice: name, wire format and algorithm options."""
+
+    algorithm: str
+    compression: str = "none"
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -> Spec:
+    """Validate ``algorithm`` and ``options`` into a `Spec`; mistakes are UserErrors."""
+    names = list(ALGORITHMS) + (list(HOOK_ONLY) if allow_noop else [])
+    if algorithm not in names:
+        raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose one of: {', '.join(names)}.")
+    options = {k: v for k, v in options.items() if v is not None}
+    compression = options.pop("compression", "none")
+    if compression not in WIRE_DTYPES:
+        raise UserError(f"unknown compression {compression!r}; choose one of: {', '.join(WIRE_DTYPES)}.")
+    valid = OPTIONS.get(algorithm, {})
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise UserError(f"option(s) {', '.join(unknown)} do not apply to algorithm {algorithm}; "
+                        f"its options: {', '.join(['compression', *valid])}.")
+    merged = {**valid, **options}
+    if "inter" in merged and merged["inter"] not in hierarchical.INTER:
+        raise UserError(f"hierarchical inter={merged['inter']!r} is unknown; "
+                        f"choose one of: {', '.join(hierarchical.INTER)}.")
+    if "impl" in merged and merged["impl"] not in IMPLS:
+        raise UserError(f"impl={merged['impl']!r} is unknown; choose one of: {', '.join(IMPLS)} "
+                        "(native: the backend's reduce-scatter / all-reduce / all-gather, p2p: point-to-point steps).")
+    if "small_bytes" in merged:
+        sb = merged["small_bytes"]
+        if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:
+            raise UserError(f"small_bytes={sb!r} must be a whole number of bytes >= 0 (0 turns the "
+                            f"small-message fast path off).")
+    if merged.get("pipeline") is not None:
+        pl = merged["pipeline"]
+        if isinstance(pl, bool) or not isinstance(pl, int) or pl < 1:
+            raise UserError(f"pipeline={pl!r} must be a whole number of pieces >= 1 (1 turns the overlap of "
+                            f"the two levels off), or left unset for one piece per 4 MB.")
+    if "grid" in merged and merged["grid"] is not None:
+        from largebatch.comm.topology import parse_grid
+
+        parse_grid(merged["grid"])
+    return Spec(algorithm, compression, tuple(sorted(merged.items())))
+
+
+def _check_layout(algorithm: str, opts: dict[str, Any], p: int) -> None:
+    """Raise the UserError the algorithm would raise for an impossible grid / node size on ``p`` ranks."""
+    from largebatch.comm.topology import resolve_grid, resolve_local_size
+
+    if algorithm == "torus2d":
+        resolve_grid(opts.get("grid"), p)
+    elif algorithm == "hierarchical":
+        resolve_local_size(opts.get("local_size"), p)
+
+
+def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = None,
+        average: bool = False) -> torch.Tensor:
+    """Sum (or, with ``average``, average) ``tensor`` in place over ``group`` with ``spec``.
+
+    Lossy compression pre-scales by 1/p before the first cast and, for a sum,
+    multiplies by p after the last, so fp16 cannot overflow (see
+    `largebatch.comm.compression`).
+    """
+    codec = get_codec(spec.compression, tensor.dtype)
+    if average and not tensor.dtype.is_floating_point:
+        raise UserError(f"averaging needs a floating-point tensor, not {tensor.dtype}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor                                   # world size 1: the sum is the tensor
+    ranks = members(group)
+    me = dist.get_rank()
+    if me not in ranks:
+        return tensor
+    p, i = len(ranks), ranks.index(me)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.view(-1)
+    if p > 1 and flat.numel():
+        opts = dict(spec.options)
+        algorithm = spec.algorithm
+        if flat.numel() * flat.element_size() < opts.pop("small_bytes", 0):
+            _check_layout(algorithm, opts, p)           # an impossible grid is an error at any size
+            algorithm, opts = "native", {}              # small-message fast path (latency-bound)
+        if codec.lossy:
+            flat.div_(p)                                # pre-scale: no fp16 overflow on the wire
+        ALGORITHMS[algorithm](flat, ranks, i, group, codec, **opts)
+        if codec.lossy and not average:
+            flat.mul_(p)
+        elif not codec.lossy and average:
+            flat.div_(p)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group: Optional[dist.ProcessGroup] = None,
+              **options: Any) -> torch.Tensor:
+    """Sum ``tensor`` in place across ``group`` with ``algorithm``; returns ``tensor``.
+
+    Collective: every rank of ``group`` calls it with the same algorithm, options
+    and tensor length. The first torus2d/hierarchical call creates the sub-groups
+    (every rank of the world must take part in that call).
+    """
+    return run(tensor, resolve(algorithm, options), group)
+
+
+def setup(algorithm: str, group: Optional[dist.ProcessGroup] = None, **options: Any) -> None:
+    """Create the sub-groups ``algorithm`` needs now, collectively (optional; first use does it too)."""
+    spec = resolve(algorithm, options, allow_noop=True)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    opts = dict(spec.options)
+    world = len(members(group))
+    if spec.algorithm == "torus2d":
+        torus2d.setup(group, world, opts["grid"])
+    elif spec.algorithm == "hierarchical":
+        hierarchical.setup(group, world, opts["local_size"])
