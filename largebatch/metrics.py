@@ -163,3 +163,18 @@ def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bo
         plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
     if tensorboard:
         write_tensorboard(run_dir)
+
+
+def run_summary(*, recipe: str, run_dir: Path, last_eval: dict, progress, wall_s: float, epochs: float, steps: int,
+                world_size: int, global_batch: int, corrupt_images: int, precision: str, threads: int,
+                ensemble: dict) -> dict:
+    """summary.json's content: the last evaluation, the best top-1 of the run, its size and speed (images/s over
+    the time spent in training steps, data waits included), and the Collapsed Ensemble's record if any."""
+    return {
+        "recipe": recipe, "run_dir": str(run_dir),
+        "final_top1": last_eval["top1"], "final_top5": last_eval["top5"], "final_loss": last_eval["loss"],
+        "best_top1": max(progress.best_top1, last_eval["top1"]), "epochs": round(epochs, 4), "steps": steps,
+        "wall_s": wall_s, "train_images_per_s": progress.images_seen / max(progress.train_time, 1e-9),
+        "world_size": world_size, "global_batch": global_batch, "nonfinite_steps": progress.nonfinite_total,
+        "corrupt_images": corrupt_images, "precision": precision, "threads_per_worker": threads, **ensemble,
+    }

@@ -28,6 +28,7 @@ from largebatch.config import save as save_config
 from largebatch.errors import UserError
 from largebatch.layout import use_channels_last
 from largebatch.models.classifier import build_classifier
+from largebatch.noise_scale import NoiseScale
 from largebatch.progress import LogWindow, Progress
 from largebatch.schedule import Plan, resolution_at
 from largebatch.step import TrainStep
@@ -114,11 +115,7 @@ class Trainer:
 
         # 8. precision, the gradient noise scale (on logging steps), the step itself
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
-        self.noise = None
-        if t.noise_scale:
-            from largebatch.noise_scale import NoiseScale
-
-            self.noise = NoiseScale.for_run(self.info.distributed, self.main)
+        self.noise = NoiseScale.for_run(self.info.distributed, self.main) if t.noise_scale else None
         self.progress = Progress()
         self.train_step = TrainStep(
             model=model, ddp=self.ddp, forward=forward, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
@@ -311,18 +308,11 @@ class Trainer:
         # every rank skipped its own share of the corrupt files; a file is met once per epoch and evaluation
         with self._guard("gather corrupt-image lists"):
             corrupt = dist_mod.gather_union(corrupt, self.info.world_size)
-        summary = {
-            "recipe": self.cfg.recipe, "run_dir": str(self.run_dir),
-            "final_top1": last["top1"], "final_top5": last["top5"],
-            "final_loss": last["loss"], "best_top1": max(self.progress.best_top1, last["top1"]),
-            "epochs": round(self.plan.epoch_float(self.step), 4),
-            "steps": self.step, "wall_s": wall,
-            "train_images_per_s": self.progress.images_seen / max(self.progress.train_time, 1e-9),
-            "world_size": self.info.world_size, "global_batch": self.plan.phase_at(self.step - 1).global_batch,
-            "nonfinite_steps": self.progress.nonfinite_total, "corrupt_images": len(corrupt),
-            "precision": self.cfg.train.precision, "threads_per_worker": self.threads,
-            **ensemble_rec,
-        }
+        summary = metrics_mod.run_summary(
+            recipe=self.cfg.recipe, run_dir=self.run_dir, last_eval=last, progress=self.progress, wall_s=wall,
+            epochs=self.plan.epoch_float(self.step), steps=self.step, world_size=self.info.world_size,
+            global_batch=self.plan.phase_at(self.step - 1).global_batch, corrupt_images=len(corrupt),
+            precision=self.cfg.train.precision, threads=self.threads, ensemble=ensemble_rec)
         if self.main:
             metrics_mod.write_outputs(self.run_dir, summary, corrupt, plots=self.cfg.train.plots,
                                       tensorboard=self.cfg.train.tensorboard)
