@@ -162,13 +162,27 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
     assert (tmp_path / "bars.png").stat().st_size > 1000
 
 
-def test_a_tiny_batch_control_study_runs_both_variants(cli, tmp_path):
-    out = tmp_path / "bc"
-    proc = cli("study", "batch-control", "--epochs", "2", "--seeds", "1", "--batch", "64", "--start-batch", "32",
-               "--switch-epochs", "1", "--nproc-per-node", "1", "--out", out, "--set", "data.dataset=synthetic",
-               "--set", "data.synthetic_size=128", "--set", "data.image_size=8", "--set", "model.width=4",
-               "--set", "schedule.warmup_epochs=0", check=True)
+def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path):
+    """Tuning on a validation split (every variant at every lr of the grid), then each variant at its own
+    chosen lr on the test set."""
+    common = ["--epochs", "2", "--seeds", "1", "--batch", "64", "--start-batch", "32", "--switch-epochs", "1",
+              "--nproc-per-node", "1", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=192",
+              "--set", "data.image_size=8", "--set", "model.width=4", "--set", "schedule.warmup_epochs=0"]
+    tune, out = tmp_path / "tune", tmp_path / "bc"
+    cli("study", "batch-control", *common, "--val-split", "64", "--lr-grid", "0.05,0.4", "--out", tune, check=True)
+    tuned = json.loads((tune / "study.json").read_text())
+    assert sorted((c["variant"], c["lr"]) for c in tuned["cells"]) == [
+        ("control", 0.05), ("control", 0.4), ("fixed", 0.05), ("fixed", 0.4)]
+    for name in ("fixed", "control"):   # the chosen lr is the variant's best on the validation split
+        best = max((c for c in tuned["cells"] if c["variant"] == name), key=lambda c: c["top1"])
+        assert tuned["table"][name]["lr"] == best["lr"] and tuned["table"][name]["lrs_run"] == 2
+    assert "(best of 2" in (tune / "study.md").read_text()
+    refused = cli("study", "batch-control", *common, "--from-tuning", tune, "--val-split", "64", "--out", out)
+    assert refused.returncode == 2 and "test set" in refused.stderr
+    proc = cli("study", "batch-control", *common, "--from-tuning", tune, "--out", out, check=True)
     data = json.loads((out / "study.json").read_text())
+    assert {(c["variant"], c["lr"]) for c in data["cells"]} == {(n, tuned["table"][n]["lr"]) for n in ("fixed", "control")}
+    assert all("val_split" not in c["command"] for c in data["cells"])
     assert {c["variant"] for c in data["cells"]} == {"fixed", "control"}
     assert all(c["top1"] is not None for c in data["cells"])
     control = next(c for c in data["cells"] if c["variant"] == "control")

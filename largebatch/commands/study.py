@@ -131,11 +131,11 @@ def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict
     return cells
 
 
-def _parse_list(text: str, what: str, cast) -> list:
+def _parse_list(text: str, what: str, cast, example: str = "256,1024") -> list:
     try:
         items = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--{what} {text!r} is not a comma-separated list; e.g. --{what} 256,1024.") from None
+        raise UserError(f"--{what} {text!r} is not a comma-separated list; e.g. --{what} {example}.") from None
     if not items:
         raise UserError(f"--{what} is empty; give at least one value.")
     return items

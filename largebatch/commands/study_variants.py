@@ -10,7 +10,10 @@ over seeds, each a table of its own.
 
 Cells run as in `study batch-scaling` (`study.run_cell`): each a `largebatch train` of its own, resumable, its
 exact command in OUT/study.json; OUT/study.md holds the table (mean ± sample std over seeds), OUT/study.png the
-bars. `--val-split N` evaluates every cell on N held-out training images instead of the test set.
+bars. Tuned as the batch-scaling study is, never on the test set:
+- tuning: `--val-split N --lr-grid A,B,C` runs every variant at every optim.lr of the grid (an equal budget per
+  variant) and evaluates on N held-out training images; each variant's chosen lr is its best mean there;
+- final: `--from-tuning TUNING_OUT` runs each variant at its chosen lr, on the test set.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ def parser(kind: str) -> ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe key in every cell (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="check and list the cells, train nothing")
+    p.add_argument("--lr-grid", default=None, metavar="A,B,...",
+                   help="optim.lr values every variant runs at (with --val-split: the tuning study)")
+    p.add_argument("--from-tuning", type=Path, default=None, metavar="TUNING_OUT",
+                   help="run each variant at the lr that tuning study chose, on the test set")
     if kind == "batch-control":
         p.add_argument("--batch", type=int, default=3072, help="the large global batch (ImageNet ~64K on 60,000 images)")
         p.add_argument("--start-batch", type=int, default=384, help="the control variant's batch before the switch")
@@ -74,6 +81,21 @@ def variants(kind: str, args) -> dict[str, list[str]]:
                                   f"ensemble.collapse_epochs={args.collapse_epochs:g}"]}
 
 
+def chosen_lrs(kind: str, tuning_out: Path) -> dict[str, float | None]:
+    """Each variant's chosen lr in a finished tuning study of the same kind (run with --val-split)."""
+    path = tuning_out / "study.json"
+    if not path.is_file():
+        raise UserError(f"--from-tuning: {path} does not exist; give the --out of a finished tuning study.")
+    data = json.loads(path.read_text())
+    if data.get("kind", kind) != kind or not data.get("val_split"):
+        raise UserError(f"--from-tuning: {path} is not a {kind} study run with --val-split (its choices must not have "
+                        "seen the test set); tune with --val-split N --lr-grid ... first.")
+    chosen = {name: row.get("lr") for name, row in data["table"].items() if name != "verdict"}
+    if not chosen:
+        raise UserError(f"--from-tuning: {path} has no finished cell yet; finish the tuning study first.")
+    return chosen
+
+
 def _stats(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
@@ -81,18 +103,26 @@ def _stats(values: list[float]) -> tuple[float, float]:
 
 
 def summarise(kind: str, cells: list[dict]) -> dict:
-    """Per variant: top-1 (the ensemble's own for the ensemble variant) mean and std; and the claim's verdict."""
+    """Per variant, at its chosen lr (the best mean over the lrs run; the only one without a grid): top-1 (the
+    ensemble's own for the ensemble variant) mean and std, how many lrs ran and diverged; and the claim's verdict."""
     table: dict = {}
     for name in sorted({c["variant"] for c in cells}):
-        done = [c for c in cells if c["variant"] == name and c.get("top1") is not None]
-        if not done:
-            continue
+        mine = [c for c in cells if c["variant"] == name]
         key = "ensemble_top1" if kind == "ensemble" and name == "ensemble" else "top1"
-        mean, std = _stats([c.get(key, c["top1"]) for c in done])
-        row = {"variant": name, "top1_mean": mean, "top1_std": std, "seeds": len(done)}
-        if kind == "ensemble" and name == "ensemble":
-            row["best_snapshot_mean"], row["best_snapshot_std"] = _stats([c["best_snapshot_top1"] for c in done])
-        table[name] = row
+        rows = []
+        for lr in sorted({c.get("lr") for c in mine}, key=lambda v: -1.0 if v is None else v):
+            done = [c for c in mine if c.get("lr") == lr and c.get("top1") is not None]
+            if not done:
+                continue
+            mean, std = _stats([c.get(key, c["top1"]) for c in done])
+            row = {"variant": name, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(done)}
+            if kind == "ensemble" and name == "ensemble":
+                row["best_snapshot_mean"], row["best_snapshot_std"] = _stats([c["best_snapshot_top1"] for c in done])
+            rows.append(row)
+        if not rows:
+            continue
+        table[name] = {**max(rows, key=lambda r: r["top1_mean"]), "lrs_run": len({c.get("lr") for c in mine}),
+                       "lrs_diverged": len({c.get("lr") for c in mine if c.get("diverged")})}
     a, b = ("control", "fixed") if kind == "batch-control" else ("ensemble", "single")
     if a in table and b in table:
         diff = table[a]["top1_mean"] - table[b]["top1_mean"]
@@ -106,8 +136,10 @@ def summarise(kind: str, cells: list[dict]) -> dict:
 
 
 def markdown(kind: str, table: dict, split: str) -> str:
-    rows = [f"| variant | {split} top-1 (%) | seeds |" + (" best snapshot (%) |" if kind == "ensemble" else ""),
-            "|---|---:|---:|" + ("---:|" if kind == "ensemble" else "")]
+    with_lr = any(r.get("lr") is not None for n, r in table.items() if n != "verdict")
+    rows = [f"| variant | {split} top-1 (%) | seeds |" + (" best snapshot (%) |" if kind == "ensemble" else "")
+            + (" lr |" if with_lr else ""),
+            "|---|---:|---:|" + ("---:|" if kind == "ensemble" else "") + ("---:|" if with_lr else "")]
     for name, r in table.items():
         if name == "verdict":
             continue
@@ -115,6 +147,10 @@ def markdown(kind: str, table: dict, split: str) -> str:
         if kind == "ensemble":
             extra = (f" {100 * r['best_snapshot_mean']:.2f} ± {100 * r['best_snapshot_std']:.2f} |"
                      if "best_snapshot_mean" in r else " |")
+        if with_lr:
+            runs = r.get("lrs_run", 1)
+            tried = f" (best of {runs}" + (f", {r['lrs_diverged']} diverged" if r.get("lrs_diverged") else "") + ")"
+            extra += f" {r['lr']:g}{tried if runs > 1 else ''} |"
         rows.append(f"| {name} | {100 * r['top1_mean']:.2f} ± {100 * r['top1_std']:.2f} | {r['seeds']} |{extra}")
     v = table.get("verdict")
     if v:
@@ -155,11 +191,31 @@ def run(kind: str, argv: list[str]) -> int:
                   ("--epochs", args.epochs, args.epochs > 0, "a positive number of epochs"),
                   ("--val-split", args.val_split, args.val_split is None or args.val_split >= 1, "1 or more"))
     plan = variants(kind, args)
+    if args.from_tuning is not None and (args.lr_grid or args.val_split):
+        raise UserError("--from-tuning runs the chosen settings on the test set; leave out --lr-grid and --val-split.")
+    if args.lr_grid:
+        grid: list[float] = study._parse_list(args.lr_grid, "lr-grid", float, "0.05,0.1,0.2")
+        check_numbers(*[("--lr-grid", v, math.isfinite(v) and v > 0, "positive learning rates") for v in grid])
+        lrs: dict[str, list[float | None]] = {name: list(grid) for name in plan}
+    elif args.from_tuning is not None:
+        chosen = chosen_lrs(kind, args.from_tuning)
+        missing = sorted(set(plan) - set(chosen))
+        if missing:
+            raise UserError(f"--from-tuning has no choice for {', '.join(missing)}; tune that variant too.")
+        lrs = {name: [chosen[name]] for name in plan}
+    else:
+        lrs = {name: [None] for name in plan}
+
+    def sets_of(name: str, lr: float | None, seed: int) -> list[str]:
+        return (list(args.overrides) + plan[name] + ([f"optim.lr={lr:g}"] if lr is not None else [])
+                + [f"train.seed={seed}"])
+
     from largebatch import config as config_mod
     from largebatch.commands.train import dry_run
 
-    for sets in plan.values():   # every cell resolves before anything trains
-        dry_run(config_mod.load(args.recipe, list(args.overrides) + sets + ["train.seed=0"]), args.nproc_per_node)
+    for name in plan:   # every cell resolves before anything trains
+        for lr in lrs[name]:
+            dry_run(config_mod.load(args.recipe, sets_of(name, lr, 0)), args.nproc_per_node)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -175,15 +231,15 @@ def run(kind: str, argv: list[str]) -> int:
     from largebatch.commands.bench import machine
 
     split = "validation" if args.val_split else "test"
-    meta = {"command": f"largebatch study {kind} " + " ".join(argv), **settings,
+    meta = {"command": f"largebatch study {kind} " + " ".join(argv), "kind": kind, **settings,
             "machine": machine(torch.device("cpu")), "split": split}
     cells: list[dict] = []
-    order = [(name, s) for s in range(args.seeds) for name in plan]
-    for i, (name, s) in enumerate(order):
-        run_dir = args.out / "runs" / f"{name}-s{s}"
-        cell = {"variant": name, "seed": s,
-                **study.run_cell(args, run_dir, list(args.overrides) + plan[name] + [f"train.seed={s}"],
-                                 f"{name} seed {s}", f"{i + 1}/{len(order)}", console)}
+    order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
+    for i, (name, lr, s) in enumerate(order):
+        run_dir = args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
+        label = f"{name}{'' if lr is None else f' lr {lr:g}'} seed {s}"
+        cell = {"variant": name, "lr": lr, "seed": s,
+                **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console)}
         cells.append(cell)
         table = summarise(kind, cells)
         (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
