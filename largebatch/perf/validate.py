@@ -5,8 +5,13 @@
 2. The model predicts the same quantity; error = predicted / published - 1.
    Papers' times are training times (evaluation left out: eval_every=0); MLPerf's time-to-accuracy
    includes its evaluation passes (every 4 epochs over the 50,000 validation images).
+   An MLPerf row's figure comes from the result log: the time from run_start to run_stop where both
+   lines were read (v1.1 and later; inputs: the logged global batch and the epoch of run_stop), otherwise
+   the last images/s the log prints before run_stop (v0.6, v0.7, v1.0; v0.6 and v0.7 logs interleave
+   every rank's output).
 3. A row whose figure was used to set a catalog input is marked FIT: it shows the fit, it does
-   not validate the model. Compute is fitted to single-node figures only; no multi-node run is a FIT.
+   not validate the model. Compute is fitted to single-node figures only; no multi-node run is a FIT
+   except You et al.'s KNL run (no single-node KNL figure exists).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class Row:
     predicted: float
     role: str          # "FIT (input)" or "validation"
     note: str = ""
+    nodes: int = 1     # nodes of the run; more than 1 makes it a multi-node row
 
     @property
     def error(self) -> float:
@@ -51,12 +57,76 @@ def _sony_2176_time() -> float:
             + predict(global_batch=69632, epochs=85, **common).time_to_train_s)
 
 
+def _mlperf_multinode() -> list[Row]:
+    """MLPerf NVIDIA multi-node ResNet-50 results, each from its own result log (docs/performance_sources.md B15, B20-B29).
+
+    images/s rows: the last throughput the log prints before run_stop; time rows: run_start to run_stop,
+    with the log's epochs and MLPerf's evaluation every 4 epochs modelled. DGX-1: 8 V100 on NVLink 2, 4 IB EDR;
+    DGX-2H: 16 V100-SXM3 on NVSwitch, 8 IB EDR for compute; DGX A100: NVLink 3, 8 IB HDR; DGX H100: NVLink 4,
+    8 IB NDR (the systems' descriptions)."""
+    V = "validation"
+    dgx1 = dict(device="v100", devices_per_node=8, intra_node="nvlink2", inter_node="ib-edr:4", precision="fp16")
+    dgx2h = dict(device="v100", devices_per_node=16, intra_node="nvlink2", inter_node="ib-edr:8", precision="fp16")
+    a100 = dict(device="a100", devices_per_node=8, intra_node="nvlink3", inter_node="ib-hdr:8", precision="fp16")
+    h100 = dict(device="h100", devices_per_node=8, intra_node="nvlink4", inter_node="ib-ndr:8", precision="fp16")
+    sxm3 = "V100-SXM3-32GB (DGX-2H) modelled as the catalog's V100 SXM2"
+
+    def ips(plan: dict[str, Any], n: int, batch: int, stack: str = "mlperf-2020") -> float:
+        return predict(devices=n, global_batch=batch, stack=stack, **plan, **RN50).images_per_s
+
+    def secs(plan: dict[str, Any], n: int, batch: int, epochs: int) -> float:
+        return predict(devices=n, global_batch=batch, epochs=epochs, **plan, **RN50).time_to_train_s
+
+    return [
+        Row("MLPerf v0.6 NVIDIA (dgx1_n130 result_0.txt)", "1,040 V100 (130 DGX-1), 52 per GPU", "images/s",
+            1134014.78, ips(dgx1, 1040, 54080, "stack-2018"), V,
+            "stack-2018 (run of 2019-05); logged Speed of the last epoch (86)", nodes=130),
+        Row("MLPerf v0.6 NVIDIA (dgx2h_n96 result_0.txt)", "1,536 V100 (96 DGX-2H), 39 per GPU", "images/s",
+            1635376.64, ips(dgx2h, 1536, 59904, "stack-2018"), V,
+            f"stack-2018 (run of 2019-05); logged Speed of the last epoch (90); {sxm3}; 8 of the log's 10 "
+            "EDR cards taken as compute links", nodes=96),
+        Row("MLPerf v0.7 NVIDIA (dgxa100_n2 result_0.txt)", "16 A100 (2 DGX A100), 204 per GPU", "images/s",
+            36850.97, ips(a100, 16, 3264), V, "mlperf-2020; logged Speed, last window of epoch 41", nodes=2),
+        Row("MLPerf v0.7 NVIDIA (dgxa100_n96 result_0.txt)", "768 A100 (96 DGX A100), 45 per GPU", "images/s",
+            1310363.36, ips(a100, 768, 34560), V, "mlperf-2020; logged Speed of the last epoch (59)", nodes=96),
+        Row("MLPerf v0.7 NVIDIA (dgx2h_n32 result_0.txt)", "512 V100 (32 DGX-2H), 65 per GPU", "images/s",
+            632904.99, ips(dgx2h, 512, 33280), V,
+            f"mlperf-2020; logged Speed of epoch 56 (run_stop not in the part of the log read); {sxm3}", nodes=32),
+        Row("MLPerf v1.0 NVIDIA (dgxa100_n8 result_1.txt)", "64 A100 (8 DGX A100), 204 per GPU", "images/s",
+            198446.97, ips(a100, 64, 13056), V,
+            "mlperf-2020; logged throughput of the last epoch (45); 8 IB HDR assumed as in the v0.7 and v1.1 "
+            "DGX A100 system files", nodes=8),
+        Row("MLPerf v1.1 NVIDIA (dgxa100_n128 result_0.txt)", "1,024 A100 (128 DGX A100), 35 per GPU, 56 epochs",
+            "time-to-train (s)", 32.623, secs(a100, 1024, 35840, 56), V, "mlperf-2020; run_start to run_stop",
+            nodes=128),
+        Row("MLPerf v1.1 NVIDIA (dgxa100_n540 result_0.txt)", "4,320 A100 (540 DGX A100), 15 per GPU, 85 epochs",
+            "time-to-train (s)", 21.136, secs(a100, 4320, 64800, 85), V, "mlperf-2020; run_start to run_stop",
+            nodes=540),
+        Row("MLPerf v2.0 NVIDIA (dgxa100_n527 result_0.txt)", "4,216 A100 (527 DGX A100), 16 per GPU, 86 epochs",
+            "time-to-train (s)", 19.092, secs(a100, 4216, 67456, 86), V, "mlperf-2020; run_start to run_stop",
+            nodes=527),
+        Row("MLPerf v3.0 NVIDIA (dgxh100_n8 result_0.txt)", "64 H100 (8 DGX H100), 50 per GPU, 35 epochs",
+            "time-to-train (s)", 159.917, secs(h100, 64, 3200, 35), V,
+            "mlperf-2020; run_start to run_stop (official score 2.664 min)", nodes=8),
+        Row("MLPerf v3.0 NVIDIA (dgxh100_n64 result_0.txt)", "512 H100 (64 DGX H100), 40 per GPU, 50 epochs",
+            "time-to-train (s)", 31.965, secs(h100, 512, 20480, 50), V,
+            "mlperf-2020; run_start to run_stop (official score 0.509 min)", nodes=64),
+        Row("MLPerf v3.0 NVIDIA (dgxh100_n96 result_0.txt)", "768 H100 (96 DGX H100), 42 per GPU, 56 epochs",
+            "time-to-train (s)", 22.212, secs(h100, 768, 32256, 56), V,
+            "mlperf-2020; run_start to run_stop (official score 0.369 min)", nodes=96),
+        Row("MLPerf NVIDIA+CoreWeave (coreweave_hgxh100_n448)", "3,584 H100 (448 HGX H100), 16 per GPU, 77 epochs",
+            "time-to-train (s)", 10.961, secs(h100, 3584, 57344, 77), V,
+            "mlperf-2020; run_start to run_stop (official score 0.183 min)", nodes=448),
+    ]
+
+
 def rows() -> list[Row]:
     """Steps 1-3 for every published row (sources: docs/performance_sources.md, shared/FACTS.md).
 
     Stack per row, chosen by date and framework before looking at the errors: runs before mid-2019 use
-    `stack-2018`; NVIDIA DeepLearningExamples tables their own README's stack; MLPerf v0.7 and later
-    `mlperf-2020`. The P100 curve is Goyal et al.'s own 2017 stack (its FIT), used as is."""
+    `stack-2018` (MLPerf v0.5 and v0.6 included: their runs are of 2018-11 and 2019-05); NVIDIA
+    DeepLearningExamples tables their own README's stack; MLPerf v0.7 and later `mlperf-2020`. The P100
+    curve is Goyal et al.'s own 2017 stack (its FIT), used as is."""
     out: list[Row] = []
     V = "validation"
     goyal = dict(device="p100", devices_per_node=8, intra_node="nvlink1", inter_node="eth50",
@@ -66,30 +136,35 @@ def rows() -> list[Row]:
     out.append(Row("Goyal et al. 1706.02677", "8 P100, batch 256, 90 epochs", "time-to-train (h)",
                    29.0, g8.time_to_train_s / 3600, "FIT (input)", "P100 fp32 eff_max (one node)"))
     out.append(Row("Goyal et al. 1706.02677", "256 P100, 50 GbE, batch 8k, 90 epochs", "time-to-train (h)",
-                   1.0, g256.time_to_train_s / 3600, V))
+                   1.0, g256.time_to_train_s / 3600, V, nodes=32))
     out.append(Row("Goyal et al. 1706.02677", "8 -> 256 P100, 32 per GPU", "scaling efficiency",
-                   0.90, g256.images_per_s / (32 * g8.images_per_s), V))
+                   0.90, g256.images_per_s / (32 * g8.images_per_s), V, nodes=32))
     akiba = predict(device="p100", devices=1024, devices_per_node=8, intra_node="nvlink1", inter_node="ib-fdr:2",
                     global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
     out.append(Row("Akiba et al. 1711.04325", "1,024 P100 (128 x 8), 2x IB FDR, batch 32k, 90 epochs",
                    "time-to-train (min)", 15.0, akiba.time_to_train_s / 60, V,
-                   "fp32 compute assumed (precision not in the text at hand)"))
+                   "fp32 compute assumed (precision not in the text at hand)", nodes=128))
+    out.append(Row("Akiba et al. (NVIDIA table)", "1,024 P100 (128 x 8), 32 per GPU, against one node",
+                   "scaling efficiency", 0.80, akiba.scaling_efficiency_node, V,
+                   "baseline of the 80% not stated: one node (8 GPUs) assumed; fp32 assumed as above", nodes=128))
     out.append(Row("Mikami et al. 1811.05233", "2,176 V100, 2x IB EDR, 2D-torus, 34K->68K", "time-to-train (s)",
-                   224.0, _sony_2176_time(), V, "stack-2018"))
+                   224.0, _sony_2176_time(), V, "stack-2018", nodes=544))
     sony = dict(device="v100", devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2", algorithm="torus2d",
                 precision="fp16", epochs=90, eval_every=0, stack="stack-2018", **RN50)
     s1088 = predict(devices=1088, global_batch=34816, **sony)
     out.append(Row("Mikami et al. 1811.05233", "1,088 V100, 32 per GPU, against one node", "scaling efficiency",
-                   0.9162, s1088.scaling_efficiency_node, V, "baseline of the 91.62% not stated: one node (4 GPUs) assumed"))
+                   0.9162, s1088.scaling_efficiency_node, V,
+                   "baseline of the 91.62% not stated: one node (4 GPUs) assumed", nodes=272))
     v05 = predict(device="v100", devices=640, devices_per_node=8, intra_node="nvlink2", inter_node="ib-edr:4",
                   global_batch=640 * 26, precision="fp16", epochs=81, stack="stack-2018", **RN50)
     out.append(Row("MLPerf v0.5 NVIDIA (result_1.txt)", "640 V100 (80 DGX-1), 26 per GPU, 81 epochs",
                    "time-to-train (s)", 374.5, v05.time_to_train_s, V,
-                   "run_start to run_stop (evaluation every 4 epochs modelled); 4 IB EDR per DGX-1 assumed"))
+                   "run_start to run_stop (evaluation every 4 epochs modelled); 4 IB EDR per DGX-1 assumed", nodes=80))
     yama = predict(device="v100", devices=2048, devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2",
                    global_batch=81920, precision="fp16", stack="stack-2018", **RN50)
     out.append(Row("Yamazaki et al. 1903.12650", "2,048 V100 (ABCI), batch 81,920", "images/s",
-                   1.73e6, yama.images_per_s, V, "stack-2018; published 'over 1.73 million'"))
+                   1.73e6, yama.images_per_s, V, "stack-2018; published 'over 1.73 million'", nodes=512))
+    out.extend(_mlperf_multinode())
     out.append(Row("MLPerf v0.7 NVIDIA 1x DGX-1", "8 V100, 208 per GPU", "images/s",
                    11271.0, _ips("v100", 8, 208, "mlperf-2020"), "FIT (input)", "V100 fp16 eff_max"))
     out.append(Row("MLPerf v0.7 NVIDIA 1x DGX A100", "8 A100, 408 per GPU", "images/s",
@@ -115,15 +190,17 @@ def rows() -> list[Row]:
         out.append(Row(source, f"{n} {dev.upper()} AMP, {b} per GPU", "images/s", published,
                        _ips(dev, n, b, stack, per_node=per_node), "FIT (input)" if fit else V,
                        f"{stack} factor" if fit else stack))
-    h8 = predict(device="h100", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3456,
-                 precision="fp16", epochs=37, **RN50)
-    out.append(Row("MLPerf Training v3.0 (FACTS.md)", "8 H100, batch 3,456, 37 epochs", "time-to-train (min)",
+    h8 = predict(device="h100", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3200,
+                 precision="fp16", epochs=35, **RN50)
+    out.append(Row("MLPerf Training v3.0 (FACTS.md)", "8 H100, batch 3,200, 35 epochs", "time-to-train (min)",
                    13.466, h8.time_to_train_s / 60, V,
-                   "batch and epochs to 75.9% not in the sources (assumed); evaluation every 4 epochs modelled"))
+                   "batch and epochs from the run's log (dgxh100_ngc23.04_mxnet result_0.txt); "
+                   "evaluation every 4 epochs modelled"))
     knl = predict(device="xeon-phi-7250", devices=2048, devices_per_node=1, inter_node="omnipath",
                   algorithm="ring", global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
     out.append(Row("You et al. 1709.05011", "2,048 KNL, batch 32K, 90 epochs", "time-to-train (min)",
-                   20.0, knl.time_to_train_s / 60, "FIT (input)", "KNL eff_max; no independent KNL figure at hand"))
+                   20.0, knl.time_to_train_s / 60, "FIT (input)", "KNL eff_max; no independent KNL figure at hand",
+                   nodes=2048))
     return out
 
 
@@ -131,6 +208,11 @@ def summary(rs: list[Row], within: float = 0.25) -> tuple[int, int]:
     """(validation rows within `within`, validation rows)."""
     vs = [r for r in rs if r.role == "validation"]
     return sum(abs(r.error) <= within for r in vs), len(vs)
+
+
+def multinode_summary(rs: list[Row], within: float = 0.25) -> tuple[int, int]:
+    """(multi-node validation rows within `within`, multi-node validation rows)."""
+    return summary([r for r in rs if r.nodes > 1], within)
 
 
 def table(rs: list[Row], printer: Callable[[str], None] = print) -> None:
