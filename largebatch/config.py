@@ -37,8 +37,20 @@ def _doc(default: Any, doc: str, **meta: Any) -> Any:
     return field(default=default, metadata={"doc": doc, **meta})
 
 
+class Section:
+    """A config section. `validate()`: the range checks that types alone cannot express, world-size-free (the
+    batch arithmetic that needs the world size is `schedule.Plan`'s); each error names the key and the fix."""
+
+    def validate(self) -> None:
+        name = next(n for n, cls in SECTIONS.items() if cls is type(self))
+        for key in POSITIVE + NON_NEGATIVE:   # None means "not set" and passes
+            section, field_name = key.split(".")
+            if section == name:
+                _check_sign(key, getattr(self, field_name), allow_zero=key in NON_NEGATIVE)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     name: str = _doc("resnet18", "architecture from largebatch.models.MODELS")
     stem: str = _choices("auto", "imagenet", "small",
                          doc="ImageNet 7x7/2 stem + max-pool, a 3x3/1 stem for 28-32 px images, "
@@ -48,7 +60,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic",
                             doc="data source")
     root: str = _doc("/usr/share/datasets/fashion-mnist",
@@ -70,18 +82,44 @@ class DataConfig:
                                        "resized (antialiased) to image_size from start_epoch on, evaluation stays at "
                                        "the data's own size; empty means no resizing")
 
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.min_scale <= 1:
+            raise UserError(f"data.min_scale is {self.min_scale}; it must be in (0, 1].")
+        if self.num_classes < 2:
+            raise UserError(f"data.num_classes is {self.num_classes}; a classifier needs 2 or more classes.")
+        for i, phase in enumerate(self.resolution_phases):
+            if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
+                raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
+                                f"got {phase!r}.")
+            start, size = phase["start_epoch"], phase["image_size"]
+            if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0:
+                raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 4:
+                raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
+
 
 @dataclass
-class BatchConfig:
+class BatchConfig(Section):
     global_batch: int = _doc(256, "images per optimizer step across all workers")
     micro_batch: Optional[int] = _doc(None, "largest per-worker forward batch; accumulation is derived from it")
     accumulation: Optional[int] = _doc(None, "gradient-accumulation steps (derived when unset)")
     phases: list = _doc([], "batch-size control: list of {start_epoch, global_batch, lr (optional peak lr)}; "
                             "empty means global_batch for the whole run")
 
+    def validate(self) -> None:
+        super().validate()
+        for i, phase in enumerate(self.phases):
+            if not isinstance(phase, dict) or "start_epoch" not in phase or "global_batch" not in phase:
+                raise UserError(f"batch.phases[{i}] must be a mapping with start_epoch and global_batch "
+                                f"(and optionally lr), got {phase!r}.")
+            unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
+            if unknown:
+                raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
+
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     name: str = _choices("sgd", "lars", "lamb", doc="optimizer")
     lr: float = _doc(0.1, "learning rate per reference_batch images; scaled to the global batch by scaling_rule")
     reference_batch: int = _doc(256, "batch size that lr is given for")
@@ -94,9 +132,16 @@ class OptimConfig:
     eps: float = _doc(0.0, "LARS: added to the norm denominator; LAMB: Adam epsilon when > 0 (default 1e-6)")
     betas: list = _doc([0.9, 0.999], "LAMB moment coefficients")
 
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.momentum < 1:
+            raise UserError(f"optim.momentum is {self.momentum}; it must be in [0, 1).")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"optim.betas is {self.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
+
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(Section):
     epochs: float = _doc(10.0, "training epochs")
     warmup_epochs: float = _doc(2.0, "gradual linear warm-up (per step) from warmup_start_lr to the peak lr")
     warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal)")
@@ -106,9 +151,15 @@ class ScheduleConfig:
     power: float = _doc(2.0, "poly decay power (LARS uses 2)")
     end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay")
 
+    def validate(self) -> None:
+        super().validate()
+        if self.warmup_epochs > self.epochs:
+            raise UserError(f"schedule.warmup_epochs ({self.warmup_epochs}) is longer than schedule.epochs "
+                            f"({self.epochs}); shorten the warm-up or train longer.")
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     seed: int = _doc(0, "seed of data order, augmentation and initialisation")
     device: str = _choices("auto", "cpu", "cuda", doc="auto: cuda when available")
     precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA)")
@@ -130,9 +181,16 @@ class TrainConfig:
     noise_scale: bool = _doc(False, "log the gradient noise scale B_simple (McCandlish et al.) on logging steps; "
                                     "needs 2+ workers; those steps average gradients with a plain all-reduce")
 
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"train.label_smoothing is {self.label_smoothing}; it must be in [0, 1).")
+        if self.ema is not None and not 0 < self.ema < 1:
+            raise UserError(f"train.ema is {self.ema}; it must be in (0, 1) or null.")
+
 
 @dataclass
-class CommConfig:
+class CommConfig(Section):
     algorithm: str = _choices(*ALLREDUCE, *HOOK_ONLY,
                               doc="all-reduce of gradient buckets (noop: no communication, for measurement only)")
     compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
@@ -150,7 +208,7 @@ class CommConfig:
 
 
 @dataclass
-class EnsembleConfig:
+class EnsembleConfig(Section):
     cycles: int = _doc(0, "Collapsed Ensemble: cycles after the base schedule (0 = off)")
     cycle_epochs: float = _doc(2.0, "epochs of one cycle: re-warm-up then poly-2 decay")
     rewarm_epochs: float = _doc(0.5, "re-warm-up epochs at the start of each cycle")
@@ -160,7 +218,7 @@ class EnsembleConfig:
     swa: bool = _doc(False, "also report the weight average of the snapshots (BN statistics recomputed)")
 
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
     "data": DataConfig,
     "batch": BatchConfig,
@@ -365,49 +423,18 @@ NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay"
                 "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")
 
 
-def validate(cfg: Config) -> None:
-    """Range checks that types alone cannot express. Each names the key and the fix."""
-    def positive(where: str, value: float, allow_zero: bool = False) -> None:
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = "zero or more" if allow_zero else "positive"
-            raise UserError(f"{where} is {value}; it must be {bound}.")
+def _check_sign(where: str, value: float | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "zero or more" if allow_zero else "positive"
+        raise UserError(f"{where} is {value}; it must be {bound}.")
 
-    for name in POSITIVE + NON_NEGATIVE:   # None means "not set" and passes
-        section, key = name.split(".")
-        positive(name, getattr(getattr(cfg, section), key), allow_zero=name in NON_NEGATIVE)
-    if not 0 <= cfg.optim.momentum < 1:
-        raise UserError(f"optim.momentum is {cfg.optim.momentum}; it must be in [0, 1).")
-    if not 0 < cfg.data.min_scale <= 1:
-        raise UserError(f"data.min_scale is {cfg.data.min_scale}; it must be in (0, 1].")
-    if cfg.data.num_classes < 2:
-        raise UserError(f"data.num_classes is {cfg.data.num_classes}; a classifier needs 2 or more classes.")
-    if not 0 <= cfg.train.label_smoothing < 1:
-        raise UserError(f"train.label_smoothing is {cfg.train.label_smoothing}; it must be in [0, 1).")
-    if cfg.train.ema is not None and not 0 < cfg.train.ema < 1:
-        raise UserError(f"train.ema is {cfg.train.ema}; it must be in (0, 1) or null.")
-    if cfg.schedule.warmup_epochs > cfg.schedule.epochs:
-        raise UserError(f"schedule.warmup_epochs ({cfg.schedule.warmup_epochs}) is longer than schedule.epochs "
-                        f"({cfg.schedule.epochs}); shorten the warm-up or train longer.")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise UserError(f"optim.betas is {cfg.optim.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
-    for i, phase in enumerate(cfg.batch.phases):
-        if not isinstance(phase, dict) or "start_epoch" not in phase or "global_batch" not in phase:
-            raise UserError(f"batch.phases[{i}] must be a mapping with start_epoch and global_batch "
-                            f"(and optionally lr), got {phase!r}.")
-        unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
-        if unknown:
-            raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
-    for i, phase in enumerate(cfg.data.resolution_phases):
-        if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
-            raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
-                            f"got {phase!r}.")
-        start, size = phase["start_epoch"], phase["image_size"]
-        if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0:
-            raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 4:
-            raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
+
+def validate(cfg: Config) -> None:
+    """Every section's `validate()`, in the order of SECTIONS."""
+    for name in SECTIONS:
+        getattr(cfg, name).validate()
 
 
 def save(cfg: Config, path: Path) -> None:

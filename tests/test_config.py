@@ -99,3 +99,17 @@ def test_on_off_strings_survive_yaml():
     assert config.load("fashion_mnist", ["train.channels_last=on"]).train.channels_last == "on"
     assert config.from_dict({"train": {"channels_last": False}}).train.channels_last == "off"
     assert config.load("fashion_mnist", ["model.name=resnet50"]).model.name == "resnet50"
+
+
+def test_each_section_validates_itself():
+    """World-size-free range checks live on the section: a builder holding only its section can check it."""
+    from largebatch.config import BatchConfig, ModelConfig, OptimConfig, ScheduleConfig, TrainConfig
+
+    for section, match in [(ModelConfig(width=0), "model.width is 0"), (OptimConfig(momentum=1.0), "optim.momentum"),
+                           (ScheduleConfig(epochs=1, warmup_epochs=2), "schedule.warmup_epochs"),
+                           (BatchConfig(phases=[{"start_epoch": 0}]), r"batch.phases\[0\]"),
+                           (TrainConfig(ema=1.5), "train.ema")]:
+        with pytest.raises(UserError, match=match):
+            section.validate()
+    for cls in (ModelConfig, OptimConfig, ScheduleConfig, BatchConfig, TrainConfig):
+        cls().validate()   # the defaults pass
