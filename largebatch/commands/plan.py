@@ -207,8 +207,13 @@ def main(argv: list[str]) -> int:
         print("devices:    " + ", ".join(sorted(cat["devices"])))
         print("links:      " + ", ".join(sorted(cat["links"])))
         print("algorithms: " + ", ".join(ALGORITHMS))
-        from largebatch.perf.catalog import stack_factor, stack_names
-        print("stacks:     " + ", ".join(f"{n} (x{stack_factor(n):.2f})" for n in stack_names()))
+        from largebatch.perf.catalog import load_catalog, stack_factor, stack_names
+
+        def described(name: str) -> str:
+            own = (load_catalog()["stacks"][name].get("devices") or {})
+            extra = "".join(f", {d} x{stack_factor(name, d):.2f}" for d in sorted(own))
+            return f"{name} (x{stack_factor(name):.2f}{extra})"
+        print("stacks:     " + ", ".join(described(n) for n in stack_names()))
         return 0
     if args.calibrate:
         from largebatch.perf import calibrate

@@ -8,8 +8,10 @@
    `reference` (measured images/s of a model at a per-device batch, with that model's FLOPs),
    carried over from another device (`eff_max_from`), or a measured speed ratio to another device
    on one software stack (`speed_of`).
-4. Resolve a software stack's factor on eff_max (`stacks`): given, or a single-GPU figure of that
-   stack against the device curve (which describes the reference stack).
+4. Resolve a software stack's factor on eff_max (`stacks`): given, a single-GPU or single-node figure
+   of that stack against the device curve (which describes the reference stack), or carried over from
+   another stack (`factor_from`); a stack may give one device its own figure (`devices`), whose factor
+   then replaces the stack's for that device.
 """
 from __future__ import annotations
 
@@ -168,22 +170,36 @@ def get_device(key: str, precision: str) -> Device:
 DEFAULT_STACK = "mlperf-2020"
 
 
-def stack_factor(name: str) -> float:
-    """Step 4: the factor on eff_max of software stack `name` (the device curves describe DEFAULT_STACK)."""
-    stacks = load_catalog().get("stacks", {})
-    if name not in stacks:
-        raise UserError(f"unknown software stack {name!r}; choose one of: {', '.join(sorted(stacks))}.")
-    entry = stacks[name]
-    if "factor" in entry:
-        return float(entry["factor"])
+def _reference_factor(ref: dict[str, Any]) -> float:
+    """images/s per GPU of a stack's figure (`images_per_s` on `gpus` GPUs, default 1) over the device curve
+    at the same per-GPU batch (one GPU's compute: the exposed NVLink all-reduce of one node is left out)."""
     from largebatch.perf.flops import model_cost
 
-    ref = entry["reference"]
     dev = get_device(ref["device"], ref["precision"])
     cost = model_cost("resnet50", 224, 3, 1000, "imagenet", 64)
     b = float(ref["batch"])
     curve = b / (3.0 * cost.forward_flops / (dev.peak_flops * dev.eff_max) * (b + dev.b_half))
-    return float(ref["images_per_s"]) / curve
+    return float(ref["images_per_s"]) / float(ref.get("gpus", 1)) / curve
+
+
+def stack_factor(name: str, device: str | None = None, seen: tuple[str, ...] = ()) -> float:
+    """Step 4: the factor on eff_max of software stack `name` on `device` (the device curves describe
+    DEFAULT_STACK): the device's own figure of that stack where the stack gives one, else the stack's factor."""
+    stacks = load_catalog().get("stacks", {})
+    if name not in stacks:
+        raise UserError(f"unknown software stack {name!r}; choose one of: {', '.join(sorted(stacks))}.")
+    entry = stacks[name]
+    per_device = entry.get("devices") or {}
+    if device is not None and device in per_device:
+        return _reference_factor(per_device[device]["reference"])
+    if "factor" in entry:
+        return float(entry["factor"])
+    if "factor_from" in entry:
+        other = str(entry["factor_from"])
+        if other in seen + (name,):
+            raise ValueError(f"catalog cycle in factor_from: {seen + (name, other)}")
+        return stack_factor(other, device, seen + (name,))
+    return _reference_factor(entry["reference"])
 
 
 def stack_names() -> list[str]:

@@ -2,7 +2,7 @@
 
 1. Compute. Forward FLOPs F per image come from the model definition (`flops.model_cost`).
    On a device of peak P at precision q with fraction-of-peak eff_max (the catalog's curve, for the
-   reference software stack, times the factor of the run's `stack`), one image of training
+   reference software stack, times the factor of the run's `stack` on that device), one image of training
    costs t_img = 3F / (P eff_max), and a step of b images per device costs
    t_c(b) = t_img (b + b_half): the efficiency against the per-device batch is
    eff_max * b / (b + b_half), half of eff_max at b = b_half. Forward is t_c/3, backward 2t_c/3.
@@ -183,7 +183,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         raise UserError(f"evaluation every {eval_every} epochs over {eval_images} images: give non-negative "
                         "numbers (0 leaves evaluation out).")
     dev = get_device(device, precision)
-    factor = stack_factor(stack)
+    factor = stack_factor(stack, device)
     if factor != 1.0:
         dev = replace(dev, eff_max=dev.eff_max * factor)
     intra, _ = get_link(intra_node or dev.default_intra)

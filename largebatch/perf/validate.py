@@ -12,6 +12,8 @@
 3. A row whose figure was used to set a catalog input is marked FIT: it shows the fit, it does
    not validate the model. Compute is fitted to single-node figures only; no multi-node run is a FIT
    except You et al.'s KNL run (no single-node KNL figure exists).
+4. An MLPerf row uses its release's stack (`mlperf-v0.5` ... `mlperf-v3.0`, each fitted to that release's
+   own single-node log; v0.7's is `mlperf-2020`, the device curves' own).
 """
 from __future__ import annotations
 
@@ -74,16 +76,16 @@ def _mlperf_multinode() -> list[Row]:
     def ips(plan: dict[str, Any], n: int, batch: int, stack: str = "mlperf-2020") -> float:
         return predict(devices=n, global_batch=batch, stack=stack, **plan, **RN50).images_per_s
 
-    def secs(plan: dict[str, Any], n: int, batch: int, epochs: int) -> float:
-        return predict(devices=n, global_batch=batch, epochs=epochs, **plan, **RN50).time_to_train_s
+    def secs(plan: dict[str, Any], n: int, batch: int, epochs: int, stack: str) -> float:
+        return predict(devices=n, global_batch=batch, epochs=epochs, stack=stack, **plan, **RN50).time_to_train_s
 
     return [
         Row("MLPerf v0.6 NVIDIA (dgx1_n130 result_0.txt)", "1,040 V100 (130 DGX-1), 52 per GPU", "images/s",
-            1134014.78, ips(dgx1, 1040, 54080, "stack-2018"), V,
-            "stack-2018 (run of 2019-05); logged Speed of the last epoch (86)", nodes=130),
+            1134014.78, ips(dgx1, 1040, 54080, "mlperf-v0.6"), V,
+            "mlperf-v0.6; logged Speed of the last epoch (86)", nodes=130),
         Row("MLPerf v0.6 NVIDIA (dgx2h_n96 result_0.txt)", "1,536 V100 (96 DGX-2H), 39 per GPU", "images/s",
-            1635376.64, ips(dgx2h, 1536, 59904, "stack-2018"), V,
-            f"stack-2018 (run of 2019-05); logged Speed of the last epoch (90); {sxm3}; 8 of the log's 10 "
+            1635376.64, ips(dgx2h, 1536, 59904, "mlperf-v0.6"), V,
+            f"mlperf-v0.6; logged Speed of the last epoch (90); {sxm3}; 8 of the log's 10 "
             "EDR cards taken as compute links", nodes=96),
         Row("MLPerf v0.7 NVIDIA (dgxa100_n2 result_0.txt)", "16 A100 (2 DGX A100), 204 per GPU", "images/s",
             36850.97, ips(a100, 16, 3264), V, "mlperf-2020; logged Speed, last window of epoch 41", nodes=2),
@@ -93,40 +95,42 @@ def _mlperf_multinode() -> list[Row]:
             632904.99, ips(dgx2h, 512, 33280), V,
             f"mlperf-2020; logged Speed of epoch 56 (run_stop not in the part of the log read); {sxm3}", nodes=32),
         Row("MLPerf v1.0 NVIDIA (dgxa100_n8 result_1.txt)", "64 A100 (8 DGX A100), 204 per GPU", "images/s",
-            198446.97, ips(a100, 64, 13056), V,
-            "mlperf-2020; logged throughput of the last epoch (45); 8 IB HDR assumed as in the v0.7 and v1.1 "
+            198446.97, ips(a100, 64, 13056, "mlperf-v1.0"), V,
+            "mlperf-v1.0; logged throughput of the last epoch (45); 8 IB HDR assumed as in the v0.7 and v1.1 "
             "DGX A100 system files", nodes=8),
         Row("MLPerf v1.1 NVIDIA (dgxa100_n128 result_0.txt)", "1,024 A100 (128 DGX A100), 35 per GPU, 56 epochs",
-            "time-to-train (s)", 32.623, secs(a100, 1024, 35840, 56), V, "mlperf-2020; run_start to run_stop",
+            "time-to-train (s)", 32.623, secs(a100, 1024, 35840, 56, "mlperf-v1.1"), V, "mlperf-v1.1; run_start to run_stop",
             nodes=128),
         Row("MLPerf v1.1 NVIDIA (dgxa100_n540 result_0.txt)", "4,320 A100 (540 DGX A100), 15 per GPU, 85 epochs",
-            "time-to-train (s)", 21.136, secs(a100, 4320, 64800, 85), V, "mlperf-2020; run_start to run_stop",
+            "time-to-train (s)", 21.136, secs(a100, 4320, 64800, 85, "mlperf-v1.1"), V, "mlperf-v1.1; run_start to run_stop",
             nodes=540),
         Row("MLPerf v2.0 NVIDIA (dgxa100_n527 result_0.txt)", "4,216 A100 (527 DGX A100), 16 per GPU, 86 epochs",
-            "time-to-train (s)", 19.092, secs(a100, 4216, 67456, 86), V, "mlperf-2020; run_start to run_stop",
+            "time-to-train (s)", 19.092, secs(a100, 4216, 67456, 86, "mlperf-v2.0"), V, "mlperf-v2.0; run_start to run_stop",
             nodes=527),
         Row("MLPerf v3.0 NVIDIA (dgxh100_n8 result_0.txt)", "64 H100 (8 DGX H100), 50 per GPU, 35 epochs",
-            "time-to-train (s)", 159.917, secs(h100, 64, 3200, 35), V,
-            "mlperf-2020; run_start to run_stop (official score 2.664 min)", nodes=8),
+            "time-to-train (s)", 159.917, secs(h100, 64, 3200, 35, "mlperf-v3.0"), V,
+            "mlperf-v3.0; run_start to run_stop (official score 2.664 min)", nodes=8),
         Row("MLPerf v3.0 NVIDIA (dgxh100_n64 result_0.txt)", "512 H100 (64 DGX H100), 40 per GPU, 50 epochs",
-            "time-to-train (s)", 31.965, secs(h100, 512, 20480, 50), V,
-            "mlperf-2020; run_start to run_stop (official score 0.509 min)", nodes=64),
+            "time-to-train (s)", 31.965, secs(h100, 512, 20480, 50, "mlperf-v3.0"), V,
+            "mlperf-v3.0; run_start to run_stop (official score 0.509 min)", nodes=64),
         Row("MLPerf v3.0 NVIDIA (dgxh100_n96 result_0.txt)", "768 H100 (96 DGX H100), 42 per GPU, 56 epochs",
-            "time-to-train (s)", 22.212, secs(h100, 768, 32256, 56), V,
-            "mlperf-2020; run_start to run_stop (official score 0.369 min)", nodes=96),
+            "time-to-train (s)", 22.212, secs(h100, 768, 32256, 56, "mlperf-v3.0"), V,
+            "mlperf-v3.0; run_start to run_stop (official score 0.369 min)", nodes=96),
         Row("MLPerf NVIDIA+CoreWeave (coreweave_hgxh100_n448)", "3,584 H100 (448 HGX H100), 16 per GPU, 77 epochs",
-            "time-to-train (s)", 10.961, secs(h100, 3584, 57344, 77), V,
-            "mlperf-2020; run_start to run_stop (official score 0.183 min)", nodes=448),
+            "time-to-train (s)", 10.961, secs(h100, 3584, 57344, 77, "mlperf-v3.0"), V,
+            "mlperf-v3.0 (MLPerf ID 3.0-2002, MXNet 23.04); run_start to run_stop (official score 0.183 min)",
+            nodes=448),
     ]
 
 
 def rows() -> list[Row]:
     """Steps 1-3 for every published row (sources: docs/performance_sources.md, shared/FACTS.md).
 
-    Stack per row, chosen by date and framework before looking at the errors: runs before mid-2019 use
-    `stack-2018` (MLPerf v0.5 and v0.6 included: their runs are of 2018-11 and 2019-05); NVIDIA
-    DeepLearningExamples tables their own README's stack; MLPerf v0.7 and later `mlperf-2020`. The P100
-    curve is Goyal et al.'s own 2017 stack (its FIT), used as is."""
+    Stack per row, chosen by release, date and framework before looking at the errors: an MLPerf row uses
+    its release's stack (`mlperf-v0.5`, `mlperf-v0.6`, `mlperf-2020` for v0.7, `mlperf-v1.0` ... `mlperf-v3.0`,
+    each fitted to that release's single-node log: the FIT rows below); other runs before mid-2019 use
+    `stack-2018`; NVIDIA DeepLearningExamples tables their own README's stack. The P100 curve is Goyal et
+    al.'s own 2017 stack (its FIT), used as is."""
     out: list[Row] = []
     V = "validation"
     goyal = dict(device="p100", devices_per_node=8, intra_node="nvlink1", inter_node="eth50",
@@ -156,10 +160,11 @@ def rows() -> list[Row]:
                    0.9162, s1088.scaling_efficiency_node, V,
                    "baseline of the 91.62% not stated: one node (4 GPUs) assumed", nodes=272))
     v05 = predict(device="v100", devices=640, devices_per_node=8, intra_node="nvlink2", inter_node="ib-edr:4",
-                  global_batch=640 * 26, precision="fp16", epochs=81, stack="stack-2018", **RN50)
+                  global_batch=640 * 26, precision="fp16", epochs=81, stack="mlperf-v0.5", **RN50)
     out.append(Row("MLPerf v0.5 NVIDIA (result_1.txt)", "640 V100 (80 DGX-1), 26 per GPU, 81 epochs",
                    "time-to-train (s)", 374.5, v05.time_to_train_s, V,
-                   "run_start to run_stop (evaluation every 4 epochs modelled); 4 IB EDR per DGX-1 assumed", nodes=80))
+                   "mlperf-v0.5; run_start to run_stop (evaluation every 4 epochs modelled); 4 IB EDR per DGX-1 "
+                   "assumed", nodes=80))
     yama = predict(device="v100", devices=2048, devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2",
                    global_batch=81920, precision="fp16", stack="stack-2018", **RN50)
     out.append(Row("Yamazaki et al. 1903.12650", "2,048 V100 (ABCI), batch 81,920", "images/s",
@@ -169,6 +174,19 @@ def rows() -> list[Row]:
                    11271.0, _ips("v100", 8, 208, "mlperf-2020"), "FIT (input)", "V100 fp16 eff_max"))
     out.append(Row("MLPerf v0.7 NVIDIA 1x DGX A100", "8 A100, 408 per GPU", "images/s",
                    22428.0, _ips("a100", 8, 408, "mlperf-2020"), "FIT (input)", "A100 fp16 eff_max"))
+    release_fits = [  # (release, system, result log, device, per-GPU batch, logged images/s on 8 GPUs, what)
+        ("v0.5", "1x DGX-1", "dgx1_ngc18.11_mxnet result_0.txt", "v100", 208, 10129.0,
+         "mlperf-v0.5 factor; images/s from the log's epoch timestamps"),
+        ("v0.6", "1x DGX-1", "dgx1_ngc19.05_mxnet result_0.txt", "v100", 208, 11218.10, "mlperf-v0.6 factor"),
+        ("v1.0", "1x DGX A100", "dgxa100_ngc21.05_mxnet result_0.txt", "a100", 408, 26698.85, "mlperf-v1.0 factor"),
+        ("v1.1", "1x DGX A100", "dgxa100_ngc21.09_mxnet result_0.txt", "a100", 408, 26325.80, "mlperf-v1.1 factor"),
+        ("v2.0", "1x DGX A100", "dgxa100_ngc22.04_mxnet result_0.txt", "a100", 408, 27164.07, "mlperf-v2.0 factor"),
+        ("v3.0", "1x DGX H100", "dgxh100_ngc23.04_mxnet result_0.txt", "h100", 400, 56078.48,
+         "mlperf-v3.0 H100 factor (per-stack device factor)"),
+    ]
+    for release, system, log, dev, b, published, what in release_fits:
+        out.append(Row(f"MLPerf {release} NVIDIA {system} ({log})", f"8 {dev.upper()}, {b} per GPU", "images/s",
+                       published, _ips(dev, 8, b, f"mlperf-{release}"), "FIT (input)", what))
     tables = [  # (source, stack, device, GPUs, per-GPU batch, GPUs per node, published images/s)
         ("DLE MXNet RN50 (20.12)", "dle-mxnet-2020", "v100", 1, 192, 8, 1376.0),
         ("DLE MXNet RN50 (20.12)", "dle-mxnet-2020", "v100", 8, 192, 8, 10723.0),
@@ -191,10 +209,11 @@ def rows() -> list[Row]:
                        _ips(dev, n, b, stack, per_node=per_node), "FIT (input)" if fit else V,
                        f"{stack} factor" if fit else stack))
     h8 = predict(device="h100", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3200,
-                 precision="fp16", epochs=35, **RN50)
+                 precision="fp16", epochs=35, stack="mlperf-v3.0", **RN50)
     out.append(Row("MLPerf Training v3.0 (FACTS.md)", "8 H100, batch 3,200, 35 epochs", "time-to-train (min)",
-                   13.466, h8.time_to_train_s / 60, V,
-                   "batch and epochs from the run's log (dgxh100_ngc23.04_mxnet result_0.txt); "
+                   13.466, h8.time_to_train_s / 60, "FIT (input)",
+                   "single node of the mlperf-v3.0 H100 fit's configuration (8 H100, MXNet 23.04, batch 3,200); "
+                   "batch and epochs from that fit's log (dgxh100_ngc23.04_mxnet result_0.txt, 13.60 min); "
                    "evaluation every 4 epochs modelled"))
     knl = predict(device="xeon-phi-7250", devices=2048, devices_per_node=1, inter_node="omnipath",
                   algorithm="ring", global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
