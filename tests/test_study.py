@@ -1,6 +1,7 @@
 """`largebatch study batch-scaling`: the cell plan (lr grid x seeds, or a tuning study's choices), the
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -133,6 +134,11 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
     (cell,) = json.loads((final / "study.json").read_text())["cells"]
     assert cell["lr"] == chosen and "val_split" not in cell["command"]
     assert "test top-1" in (final / "study.md").read_text()
+    # any cell re-runs from the command study.json recorded, to the same top-1 (training is deterministic)
+    argv = shlex.split(cell["command"])[1:]
+    argv[argv.index("--run-dir") + 1] = str(tmp_path / "rerun")
+    cli(*argv, "--quiet", check=True)
+    assert json.loads((tmp_path / "rerun" / "summary.json").read_text())["final_top1"] == cell["top1"]
 
 
 def test_variant_studies_plan_summarise_and_judge(tmp_path):
