@@ -90,6 +90,8 @@ def verify(meta_path: Path) -> dict | None:
         data = meta_path.with_suffix(".pt").read_bytes()
     except (OSError, ValueError):
         return None
+    if not isinstance(meta, dict):   # a foreign JSON file
+        return None
     if len(data) != meta.get("size") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
         return None
     return meta
@@ -139,6 +141,7 @@ class RunState:
 
     FIX = ("resume with the recipe and --set options the run was started with (its config.yaml), or start "
            "a new run with a fresh --run-dir.")
+    KEYS = ("model", "optimizer", "scaler", "step", "rng", "progress")   # what every checkpoint of a run holds
 
     def __init__(self, directory: Path, *, model, optimizer, scaler, ema, noise, comm_state, progress,
                  config_hash: str, optimizer_name: str, keep: int | None, main: bool):
@@ -176,7 +179,16 @@ class RunState:
                 print(f"largebatch: no checkpoint in {self.directory}; starting from step 0.", file=sys.stderr)
             return None
         path, _ = found
-        state = load(path)
+        try:
+            state = load(path)
+            why = "" if isinstance(state, dict) else f"a {type(state).__name__}"
+        except Exception as err:   # noqa: BLE001 - intact by its metadata, yet no torch checkpoint: a foreign file
+            state, why = {}, f"torch.load failed: {' '.join(str(err).split())[:120] or type(err).__name__}"
+        missing = [k for k in self.KEYS if k not in state] if not why else []
+        if why or missing:
+            raise UserError(f"checkpoint {path} is not a largebatch training checkpoint ({why or 'no ' + missing[0]}); "
+                            f"move it and its .json out of {self.directory} to resume from an older one, or start a "
+                            "new run with a fresh --run-dir.")
         written_by = state.get("optimizer_name", self.optimizer_name)
         if written_by != self.optimizer_name:   # its state would load, then fail (or mislead) at the first step
             raise UserError(f"checkpoint {path} was written with optim.name={written_by} but this run uses "
@@ -184,8 +196,10 @@ class RunState:
         restore(self.model, state["model"], "model", path, self.FIX)
         restore(self.optimizer, state["optimizer"], f"optimizer ({self.optimizer_name})", path, self.FIX)
         self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state["ema"]:
+        if self.ema is not None and state.get("ema"):
             restore(self.ema, state["ema"], "EMA model", path, self.FIX)
+        elif self.ema is not None:   # train.ema turned on at this resume: the average starts at the restored weights
+            self.ema.module.load_state_dict(self.model.state_dict())
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if self.noise is not None and state.get("noise_scale"):

@@ -58,6 +58,14 @@ class ModelConfig(Section):
     zero_init_residual: bool = _doc(True, "zero-init the last BN gamma of each residual block (Goyal)")
     width: int = _doc(64, "channels of the first stage (64 for the standard ResNets)")
 
+    def validate(self) -> None:
+        super().validate()
+        from largebatch.models import MODELS
+
+        if self.name not in MODELS:
+            raise UserError(f"model.name is {self.name!r}{_suggest(self.name, list(MODELS))}; "
+                            f"valid models: {', '.join(MODELS)}.")
+
 
 @dataclass
 class DataConfig(Section):
@@ -93,7 +101,7 @@ class DataConfig(Section):
                 raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
                                 f"got {phase!r}.")
             start, size = phase["start_epoch"], phase["image_size"]
-            if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0:
+            if not _is_number(start) or start < 0:
                 raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
             if isinstance(size, bool) or not isinstance(size, int) or size < 4:
                 raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
@@ -116,6 +124,14 @@ class BatchConfig(Section):
             unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
             if unknown:
                 raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
+            for key, ok, need in (("start_epoch", _is_int(phase["start_epoch"]) and phase["start_epoch"] >= 0,
+                                   "a whole number of epochs >= 0"),
+                                  ("global_batch", _is_int(phase["global_batch"]) and phase["global_batch"] > 0,
+                                   "a positive integer"),
+                                  ("lr", phase.get("lr") is None or (_is_number(phase["lr"]) and phase["lr"] > 0),
+                                   "a positive number or leave it out")):
+                if not ok:
+                    raise UserError(f"batch.phases[{i}].{key} is {phase[key]!r}; give {need}.")
 
 
 @dataclass
@@ -136,7 +152,7 @@ class OptimConfig(Section):
         super().validate()
         if not 0 <= self.momentum < 1:
             raise UserError(f"optim.momentum is {self.momentum}; it must be in [0, 1).")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
             raise UserError(f"optim.betas is {self.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
 
 
@@ -156,6 +172,9 @@ class ScheduleConfig(Section):
         if self.warmup_epochs > self.epochs:
             raise UserError(f"schedule.warmup_epochs ({self.warmup_epochs}) is longer than schedule.epochs "
                             f"({self.epochs}); shorten the warm-up or train longer.")
+        bad = [m for m in self.milestones if not _is_number(m) or m < 0]
+        if bad:
+            raise UserError(f"schedule.milestones has {bad[0]!r}; give a list of epochs >= 0, e.g. [30, 60, 80].")
 
 
 @dataclass
@@ -205,6 +224,20 @@ class CommConfig(Section):
     small_bytes: Optional[int] = _doc(None, "p2p algorithms: buckets below this many bytes use native "
                                             "(default 256 KiB, 0 = off)")
     timeout_s: float = _doc(600.0, "collective timeout; when it fires the error names the missing ranks")
+
+    def validate(self) -> None:
+        """Also the checks the comm hook makes (`comm.dispatch.resolve`), so that a run of any world size, and
+        --dry-run, refuses an option the algorithm does not read; the layout that needs the world size waits."""
+        super().validate()
+        from largebatch.comm.dispatch import OPTIONS, resolve
+
+        options = {k: getattr(self, k) for k in ("grid", "pipeline", "impl", "local_size", "inter", "small_bytes")}
+        for key, value in options.items():
+            if value is not None and key not in OPTIONS.get(self.algorithm, {}):
+                users = [name for name, valid in OPTIONS.items() if key in valid]
+                raise UserError(f"comm.{key} is set but comm.algorithm {self.algorithm} does not use it; remove it, "
+                                f"or choose an algorithm that does ({', '.join(users)}).")
+        resolve(self.algorithm, {"compression": self.compression, **options}, allow_noop=True)
 
 
 @dataclass
@@ -260,6 +293,15 @@ def _suggest(name: str, valid: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool): what a numeric item of a list key must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
@@ -282,7 +324,9 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
     if tp is bool:
         ok = isinstance(value, bool)
     elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = _is_int(value)
+        if ok and not -2**63 <= value < 2**63:   # no count, size or seed is larger; torch takes 64-bit integers
+            raise UserError(f"{where} is {value}; give a number below 2**63.")
     elif tp is float:
         if isinstance(value, str):   # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it is
             with contextlib.suppress(ValueError):

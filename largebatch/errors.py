@@ -59,9 +59,15 @@ _OS_FIXES: dict[int | None, str] = {   # keyed by OSError.errno, which may be No
     errno.EROFS: "choose a path on a writable file system",
     errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
     errno.EISDIR: "it is a directory; give a file path",
+    errno.EEXIST: "a file is where a directory is needed; move it or give another path",
     errno.ENOENT: "check that the path exists",
     errno.ENAMETOOLONG: "use a shorter path",
 }
+
+
+def os_error_fix(err: OSError, default: str = "check the path, its permissions and the free space") -> str:
+    """The fix for an OSError on a path the user gave, by its errno."""
+    return _OS_FIXES.get(err.errno, default)
 
 
 def describe_os_error(err: OSError) -> str:
@@ -70,5 +76,4 @@ def describe_os_error(err: OSError) -> str:
     if err.filename2:
         where += f" -> {err.filename2}"
     what = err.strerror or str(err)
-    fix = _OS_FIXES.get(err.errno, "check the path, its permissions and the free space")
-    return f"cannot use{where}: {what}; {fix}."
+    return f"cannot use{where}: {what}; {os_error_fix(err)}."

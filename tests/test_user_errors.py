@@ -2,6 +2,7 @@
 traceback, and nothing already written lost or left corrupt. Most cases run the command line in this
 process (`largebatch.cli.main`); the ones that need workers or a full disk run for real."""
 import gzip
+import io
 import json
 import shutil
 import subprocess
@@ -271,3 +272,171 @@ def test_a_user_error_on_one_rank_exits_2_with_its_sentence_once(cli, tmp_path):
 def test_plan_refuses_a_global_batch_larger_than_the_dataset(main):
     _expect(main("plan", "--devices", "8", "--global-batch", "4096", "--dataset-size", "1000"),
             "larger than the dataset (1000 images)")
+
+
+# ------------------------------------------------------------------ list items, names and integers a section reads
+@pytest.mark.parametrize("override, fragment", [
+    ("optim.betas=[a, b]", "optim.betas is ['a', 'b']; give two numbers"),
+    ("schedule.milestones=[a]", "schedule.milestones has 'a'; give a list of epochs"),
+    ("schedule.milestones=[.nan]", "schedule.milestones has nan"),
+    ("schedule.milestones=[-5]", "schedule.milestones has -5"),
+    ("data.resolution_phases=[{start_epoch: .nan, image_size: 8}]", "start_epoch is nan; give a number >= 0"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64}, {start_epoch: a, global_batch: 32}]",
+     "batch.phases[1].start_epoch is 'a'; give a whole number"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: .nan}]", "batch.phases[0].lr is nan; give a positive"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: true}]", "batch.phases[0].lr is True"),
+    ("train.seed=99999999999999999999", "train.seed is 99999999999999999999; give a number below 2**63"),
+    ("model.width=99999999999999999999", "model.width is 99999999999999999999"),
+    ("model.name=resnet", "model.name is 'resnet' (did you mean"),
+    ("comm.inter=ring", "comm.inter is set but comm.algorithm native does not use it"),
+    ("comm.impl=p2p", "comm.impl is set but comm.algorithm native"),
+])
+def test_list_items_names_and_comm_options_are_checked_when_the_recipe_loads(main, override, fragment):
+    """Each used to pass --dry-run, then give a traceback mid-run (milestones, betas, a phase's start, a huge
+    seed or width), train silently with a nan lr, or (comm options) be ignored by one process."""
+    _expect(main("train", "--set", override, "--dry-run"), fragment)
+
+
+def test_comm_values_are_checked_without_workers(main):
+    _expect(main("train", "--set", "comm.algorithm=torus2d", "--set", "comm.grid=abc", "--dry-run"),
+            "torus2d grid 'abc' is not of the form XxY")
+    _expect(main("train", "--set", "comm.algorithm=hierarchical", "--set", "comm.inter=bogus", "--dry-run"),
+            "inter='bogus' is unknown")
+    code, _ = main("train", "--set", "schedule.milestones=[8, 16, 21.333]", "--set", "comm.algorithm=hierarchical",
+                   "--set", "comm.impl=native", "--set", "comm.inter=native", "--dry-run")
+    assert code == 0
+
+
+def test_a_model_that_cannot_take_the_images_or_fit_in_memory(main, tmp_path):
+    _expect(main("train", *TINY, "--set", "data.image_size=2", "--run-dir", tmp_path / "a"),
+            "model speedrun cannot take 2x2-pixel images", "give a larger data.image_size")
+    _expect(main("train", *TINY, "--set", "data.resolution_phases=[{start_epoch: 0, image_size: 4}]",
+                 "--run-dir", tmp_path / "b"), "cannot take 4x4-pixel images", "image_size in data.resolution_phases")
+    _expect(main("train", *TINY, "--set", "model.width=1000000", "--run-dir", tmp_path / "c"),
+            "model speedrun at width 1000000 does not fit in memory", "give a smaller model.width")
+
+
+def _files(run: Path) -> dict:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and p.name != ".largebatch.lock"}
+
+
+def test_resume_with_foreign_checkpoints_or_ema_turned_on(cli, main, tmp_path):
+    import hashlib
+
+    import torch
+
+    run = tmp_path / "run"
+    cli("train", *TINY, "--run-dir", run, check=True)
+    ckpts = run / "checkpoints"
+    newest, _ = checkpoint.latest(ckpts)
+    # train.ema turned on when resuming a finished run: the average is the restored weights (was: the initial ones)
+    assert main("train", *TINY, "--set", "train.ema=0.9", "--run-dir", run, "--resume")[0] == 0
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert len(evals) == 2 and evals[1]["loss"] == evals[0]["loss"]
+    # a foreign JSON file among the metadata is skipped like a corrupt one (was: a traceback)
+    shutil.copy(newest, ckpts / "step-00000098.pt")
+    (ckpts / "step-00000098.json").write_text("[1, 2]")
+    warned: list[str] = []
+    assert checkpoint.latest(ckpts, warn=warned.append)[0] == newest and "step-00000098.pt" in warned[0]
+    before = _files(run)
+
+    def foreign(data: bytes, *fragments: str) -> None:   # a file whose metadata matches it: intact, not ours
+        (ckpts / "step-00000099.pt").write_bytes(data)
+        (ckpts / "step-00000099.json").write_text(json.dumps({"step": 99, "size": len(data),
+                                                               "sha256": hashlib.sha256(data).hexdigest()}))
+        _expect(main("train", *TINY, "--run-dir", run, "--resume"), "step-00000099.pt is not a largebatch training "
+                "checkpoint", "move it and its .json out of", *fragments)
+        (ckpts / "step-00000099.pt").unlink()
+        (ckpts / "step-00000099.json").unlink()
+        assert _files(run) == before
+
+    foreign(b"junk", "torch.load failed")
+    buf = io.BytesIO()
+    torch.save({"weights": torch.zeros(2)}, buf)
+    foreign(buf.getvalue(), "(no model)")
+
+
+def _tuning(tmp_path: Path, name: str, text: str) -> Path:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "study.json").write_text(text)
+    return tmp_path / name
+
+
+STUDY = {   # tiny --dry-run arguments of each study command
+    "batch-scaling": ["--batches", "64", "--optimizers", "sgd", "--epochs", "1"],
+    "batch-control": ["--epochs", "2", "--batch", "64", "--start-batch", "32", "--switch-epochs", "1"],
+    "ensemble": ["--epochs", "2", "--batch", "64", "--cycles", "1", "--cycle-epochs", "0.5",
+                 "--collapse-epochs", "0.25"],
+}
+SYNTHETIC = ["--seeds", "1", "--nproc-per-node", "1", "--set", "data.dataset=synthetic", "--set",
+             "data.synthetic_size=256", "--set", "data.image_size=8", "--set", "model.width=4", "--dry-run"]
+
+
+def _study(main, command, *args):
+    return main("study", command, *STUDY[command], *SYNTHETIC, *args)
+
+
+def test_from_tuning_odd_study_directories(main, tmp_path):
+    out = tmp_path / "out"
+    corrupt = _tuning(tmp_path, "corrupt", '{"val_split": 64, "table": {')   # cut short mid-write
+    listing = _tuning(tmp_path, "list", "[1, 2]")
+    no_table = _tuning(tmp_path, "no_table", '{"kind": "batch-control", "val_split": 64}')
+    scaling = _tuning(tmp_path, "scaling", json.dumps({"val_split": 64, "table": {"sgd@64": {
+        "batch": 64, "optimizer": "sgd", "lr": 0.1, "top1_mean": 0.5}}}))   # batch-scaling writes no "kind"
+    control = _tuning(tmp_path, "control", json.dumps({"kind": "batch-control", "val_split": 64,
+                                                       "table": {"fixed": {"lr": 0.1}}}))
+    for bad in (corrupt, listing, no_table):
+        for command in ("batch-control", "batch-scaling"):
+            _expect(_study(main, command, "--from-tuning", bad, "--out", out), "is not the study.json of a study")
+    _expect(_study(main, "batch-control", "--from-tuning", scaling, "--out", out),
+            "is from study batch-scaling, not study batch-control")
+    _expect(_study(main, "batch-scaling", "--from-tuning", control, "--out", out),
+            "is from study batch-control, not study batch-scaling")
+    _expect(_study(main, "ensemble", "--from-tuning", control, "--out", out), "not study ensemble")
+    assert not out.exists()
+    # a study directory whose settings file was cut short
+    out.mkdir()
+    (out / "study_settings.json").write_text("{")
+    for command in ("batch-control", "batch-scaling"):
+        _expect(_study(main, command, "--out", out), "study_settings.json is not a readable settings file")
+    assert [p.name for p in out.iterdir()] == ["study_settings.json"]
+
+
+@pytest.mark.parametrize("command, args, fragment", [
+    ("ensemble", ["--cycles", "0"], "--cycles is 0; give 1 or more"),
+    ("ensemble", ["--cycles", "-1"], "--cycles is -1"),
+    ("ensemble", ["--cycles", "1", "--cycle-epochs", "nan"], "--cycle-epochs is nan"),
+    ("ensemble", ["--cycles", "1", "--collapse-epochs", "inf"], "--collapse-epochs is inf"),
+    ("ensemble", ["--epochs", "inf"], "--epochs is inf"),
+    ("ensemble", ["--batch", "0"], "--batch is 0; give a positive global batch"),
+    ("batch-control", ["--start-batch", "0"], "--start-batch is 0"),
+    ("batch-control", ["--switch-epochs", "0.5"], "--switch-epochs is 0.5; give a whole number of epochs"),
+    ("batch-control", ["--lr-grid", ""], "--lr-grid is empty"),
+    ("batch-scaling", ["--batches", "64,0"], "--batches is 0; give positive global batches"),
+    ("batch-scaling", ["--epochs", "inf"], "--epochs is inf"),
+])
+def test_study_flags_name_themselves(main, tmp_path, command, args, fragment):
+    """Each used to be reported as a config key the user never set (ensemble.cycles, schedule.epochs,
+    batch.phases[1].start_epoch, batch.global_batch), run silently (--lr-grid ""), or (--cycles 0) train and
+    then fail in the table."""
+    _expect(_study(main, command, *args, "--out", tmp_path / "out"), fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_paths_and_pack_numbers(main, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    _expect(main("plan", "--sweep", "devices=8:16", "--out", a_file), "a file is where a directory is needed")
+    _expect(main("evaluate", a_file), f"run directory {a_file} is a file, not a directory")
+    src = tmp_path / "if"
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            _jpeg(src / split / c / "0.jpg", 0)
+    for args, fragment in ((["--shard-size-mb", "nan"], "--shard-size-mb is nan"),
+                           (["--shard-size-mb", "inf"], "--shard-size-mb is inf"),
+                           (["--seed", str(10**20)], "--seed is 100000000000000000000; give a 64-bit integer")):
+        _expect(main("data", "pack", src, tmp_path / "shards", *args), fragment)
+        assert not (tmp_path / "shards").exists()
+    _expect(main("data", "pack", src, a_file / "shards"), "could not write", "a file is where a directory is needed")
+    assert a_file.read_text() == "x"

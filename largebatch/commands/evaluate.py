@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
     if args.batch < 1:
         raise UserError(f"--batch is {args.batch}; give 1 or more images.")
     if not args.run_dir.is_dir():
-        raise UserError(f"run directory {args.run_dir} does not exist; give the --run-dir of a training run.")
+        what = "is a file, not a directory" if args.run_dir.exists() else "does not exist"
+        raise UserError(f"run directory {args.run_dir} {what}; give the --run-dir of a training run.")
     if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
         return _launch(args, argv)
     result = run(args.run_dir, use_ensemble=args.ensemble, swa=args.swa, checkpoint_path=args.checkpoint,

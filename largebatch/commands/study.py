@@ -97,19 +97,51 @@ def same_study(old: dict, new: dict, optimizers: list[str]) -> bool:
     return all(set(lrs) <= set(after.get(opt, [])) for opt, lrs in before.items())
 
 
+def read_study(path: Path, kind: str) -> dict:
+    """The study.json that --from-tuning names: a study of `kind` with its table (a batch-scaling study's has no
+    "kind"); a missing, unreadable, foreign or other kind's file is one sentence."""
+    if not path.is_file():
+        raise UserError(f"--from-tuning: {path} does not exist; give the --out of a finished tuning study.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):   # unreadable, not UTF-8, not JSON (e.g. cut short)
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("table"), dict):
+        raise UserError(f"--from-tuning: {path} is not the study.json of a study (unreadable, or no table in it); "
+                        "give the --out of a finished tuning study.")
+    if data.get("kind", "batch-scaling") != kind:
+        raise UserError(f"--from-tuning: {path} is from study {data.get('kind', 'batch-scaling')}, not study {kind}; "
+                        f"give the --out of a study {kind} tuning run.")
+    return data
+
+
+def stored_settings(path: Path) -> dict:
+    """OUT/study_settings.json of a study being resumed; unreadable (e.g. cut short) is one sentence."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a readable settings file; remove it to continue the study in {path.parent} "
+                        "with these arguments (its finished cells are kept), or use another --out.")
+    return data
+
+
 def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
     """Each (batch, optimizer)'s lr with the best mean validation top-1 in a tuning study's study.json."""
-    if not tuning_json.is_file():
-        raise UserError(f"--from-tuning: {tuning_json} does not exist; give the --out of a finished tuning study.")
-    data = json.loads(tuning_json.read_text())
+    data = read_study(tuning_json, "batch-scaling")
     if not data.get("val_split"):
         raise UserError(f"--from-tuning: {tuning_json} was not run with --val-split, so its choices saw the test "
                         "set; tune with --val-split N first.")
     best: dict[tuple[int, str], tuple[float, float | None]] = {}
-    for row in data["table"].values():
-        key = (row["batch"], row["optimizer"])
-        if key not in best or row["top1_mean"] > best[key][0]:
-            best[key] = (row["top1_mean"], row.get("lr"))
+    try:
+        for row in data["table"].values():
+            key = (row["batch"], row["optimizer"])
+            if key not in best or row["top1_mean"] > best[key][0]:
+                best[key] = (row["top1_mean"], row.get("lr"))
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(f"--from-tuning: {tuning_json} has a table row without batch, optimizer or top1_mean; give "
+                        "the --out of a finished tuning study.") from None
     return {k: v[1] for k, v in best.items()}
 
 
@@ -438,8 +470,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--optimizers has {bad}; choose from {', '.join(OPTIMIZER_SETTINGS)}.")
     check_numbers(*((flag, value, value >= 1, "1 or more") for flag, value in (
         ("--seeds", args.seeds), ("--nproc-per-node", args.nproc_per_node), ("--micro-batch", args.micro_batch))))
-    if args.epochs is not None and args.epochs <= 0:
+    if args.epochs is not None and not 0 < args.epochs < math.inf:   # nan fails both
         raise UserError(f"--epochs is {args.epochs}; give a positive number of epochs.")
+    check_numbers(*[("--batches", b, b >= 1, "positive global batches") for b in batches])
     grid = lr_grid(args.lr_grid, optimizers)
     if args.val_split is not None and args.val_split < 1:
         raise UserError(f"--val-split is {args.val_split}; give a number of held-out training images.")
@@ -458,7 +491,7 @@ def main(argv: list[str]) -> int:
                 "lr_grid": args.lr_grid, "val_split": args.val_split,
                 "from_tuning": str(args.from_tuning) if args.from_tuning else None}
     stored = args.out / "study_settings.json"
-    if stored.exists() and not same_study(json.loads(stored.read_text()), settings, optimizers):
+    if stored.exists() and not same_study(stored_settings(stored), settings, optimizers):
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
                         "add values), or use another --out.")

@@ -60,9 +60,11 @@ def variants(kind: str, args) -> dict[str, list[str]]:
               "train.eval_every=0"]
     if args.val_split:
         common.append(f"data.val_split={args.val_split}")
+    check_numbers(("--batch", args.batch, args.batch >= 1, "a positive global batch"))
     if kind == "batch-control":
-        if not 0 < args.switch_epochs < args.epochs:
-            raise UserError(f"--switch-epochs is {args.switch_epochs}; give a number of epochs inside the budget "
+        check_numbers(("--start-batch", args.start_batch, args.start_batch >= 1, "a positive global batch"))
+        if not 0 < args.switch_epochs < args.epochs or not float(args.switch_epochs).is_integer():
+            raise UserError(f"--switch-epochs is {args.switch_epochs}; give a whole number of epochs inside the budget "
                             f"(0, {args.epochs:g}).")
         phases = (f"[{{start_epoch: 0, global_batch: {args.start_batch}}}, "
                   f"{{start_epoch: {args.switch_epochs:g}, global_batch: {args.batch}}}]")
@@ -70,6 +72,9 @@ def variants(kind: str, args) -> dict[str, list[str]]:
                                    "batch.phases=[]"],
                 "control": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
                                      f"batch.phases={phases}"]}
+    epochs = (("--cycle-epochs", args.cycle_epochs), ("--collapse-epochs", args.collapse_epochs))
+    check_numbers(("--cycles", args.cycles, args.cycles >= 1, "1 or more (with 0 both variants are one model)"),
+                  *[(flag, v, 0 < v < math.inf, "a positive number of epochs") for flag, v in epochs])
     base = args.epochs - args.cycles * args.cycle_epochs
     if base <= args.collapse_epochs:
         raise UserError(f"--cycles {args.cycles} x --cycle-epochs {args.cycle_epochs:g} leaves {base:g} of the "
@@ -84,13 +89,11 @@ def variants(kind: str, args) -> dict[str, list[str]]:
 def chosen_lrs(kind: str, tuning_out: Path) -> dict[str, float | None]:
     """Each variant's chosen lr in a finished tuning study of the same kind (run with --val-split)."""
     path = tuning_out / "study.json"
-    if not path.is_file():
-        raise UserError(f"--from-tuning: {path} does not exist; give the --out of a finished tuning study.")
-    data = json.loads(path.read_text())
-    if data.get("kind", kind) != kind or not data.get("val_split"):
+    data = study.read_study(path, kind)
+    if not data.get("val_split"):
         raise UserError(f"--from-tuning: {path} is not a {kind} study run with --val-split (its choices must not have "
                         "seen the test set); tune with --val-split N --lr-grid ... first.")
-    chosen = {name: row.get("lr") for name, row in data["table"].items() if name != "verdict"}
+    chosen = {name: row.get("lr") for name, row in data["table"].items() if name != "verdict" and isinstance(row, dict)}
     if not chosen:
         raise UserError(f"--from-tuning: {path} has no finished cell yet; finish the tuning study first.")
     return chosen
@@ -188,12 +191,12 @@ def run(kind: str, argv: list[str]) -> int:
     check_numbers(("--seeds", args.seeds, args.seeds >= 1, "1 or more"),
                   ("--nproc-per-node", args.nproc_per_node, args.nproc_per_node >= 1, "1 or more"),
                   ("--micro-batch", args.micro_batch, args.micro_batch >= 1, "1 or more"),
-                  ("--epochs", args.epochs, args.epochs > 0, "a positive number of epochs"),
+                  ("--epochs", args.epochs, 0 < args.epochs < math.inf, "a positive number of epochs"),
                   ("--val-split", args.val_split, args.val_split is None or args.val_split >= 1, "1 or more"))
     plan = variants(kind, args)
-    if args.from_tuning is not None and (args.lr_grid or args.val_split):
+    if args.from_tuning is not None and (args.lr_grid is not None or args.val_split):
         raise UserError("--from-tuning runs the chosen settings on the test set; leave out --lr-grid and --val-split.")
-    if args.lr_grid:
+    if args.lr_grid is not None:   # an empty --lr-grid "" is refused by _parse_list, not taken as no grid
         grid: list[float] = study._parse_list(args.lr_grid, "lr-grid", float, "0.05,0.1,0.2")
         check_numbers(*[("--lr-grid", v, math.isfinite(v) and v > 0, "positive learning rates") for v in grid])
         lrs: dict[str, list[float | None]] = {name: list(grid) for name in plan}
@@ -222,7 +225,7 @@ def run(kind: str, argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
     stored = args.out / "study_settings.json"
-    if stored.exists() and json.loads(stored.read_text()) != settings:
+    if stored.exists() and study.stored_settings(stored) != settings:
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "arguments, or use another --out.")
     stored.write_text(json.dumps(settings, indent=2))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import random
 import tarfile
@@ -50,10 +51,10 @@ from typing import Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.data import jpeg, keyed_random
 from largebatch.data.sampler import eval_shard, epoch_permutation
-from largebatch.errors import UserError
+from largebatch.errors import UserError, os_error_fix
 
 INDEX = "index.json"
 _CHUNK = 16  # samples per worker -> main process message
@@ -96,8 +97,9 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
             dst.rmdir()   # empty (checked above)
         os.rename(tmp, dst)
     except OSError as exc:
-        raise UserError(f"data pack could not write {dst}: {exc.strerror or exc}; free space or give another "
-                        "destination (nothing was written there).") from None
+        fix = os_error_fix(exc, "free space or give another destination")
+        raise UserError(f"data pack could not write {dst}: {exc.strerror or exc}; {fix} (nothing was written there).") \
+            from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return index
@@ -138,8 +140,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shard-size-mb", type=float, default=64.0, help="target shard size in MB")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled pack order")
     args = p.parse_args(argv)
-    if args.shard_size_mb <= 0:
-        raise UserError(f"--shard-size-mb is {args.shard_size_mb}; it must be positive.")
+    check_numbers(("--shard-size-mb", args.shard_size_mb, 0 < args.shard_size_mb < math.inf, "a positive size in MB"),
+                  ("--seed", args.seed, -2**63 <= args.seed < 2**64, "a 64-bit integer"))
     index = pack(args.src, args.dst, int(args.shard_size_mb * 2**20), args.seed)
     for split, s in index["splits"].items():
         print(f"{split}: {s['total']} images in {len(s['shards'])} shards -> {args.dst}")

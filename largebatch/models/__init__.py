@@ -6,6 +6,7 @@ constructors taking (num_classes, in_channels, stem, zero_init_residual, width) 
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from torch import nn
@@ -38,8 +39,16 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, stem: str = "
     for key, value in (("num_classes", num_classes), ("in_channels", in_channels), ("width", width)):
         if not isinstance(value, int) or value < 1:
             raise UserError(f"{key} is {value!r}; it must be a positive integer.")
-    return MODELS[name](num_classes=num_classes, in_channels=in_channels, stem=stem,
-                        zero_init_residual=zero_init_residual, width=width)
+    try:
+        return MODELS[name](num_classes=num_classes, in_channels=in_channels, stem=stem,
+                            zero_init_residual=zero_init_residual, width=width)
+    except RuntimeError as err:   # the allocator: the weights alone do not fit (an absurd model.width)
+        if "allocate" not in str(err):
+            raise
+        tried = re.search(r"tried to allocate (\d+) bytes", str(err))
+        size = f" (one weight tensor alone is {int(tried.group(1)) / 2**30:,.1f} GiB)" if tried else ""
+        raise UserError(f"model {name} at width {width} does not fit in memory{size}; give a smaller model.width.") \
+            from None
 
 
 __all__ = ["MODELS", "build_model", "Normalize", "count_flops", "count_macs", "ResNet", "AlexNetBN", "SpeedrunNet"]

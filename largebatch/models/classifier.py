@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from largebatch.config import Config
+from largebatch.errors import UserError
 
 
 class Classifier(nn.Module):
@@ -19,6 +20,21 @@ class Classifier(nn.Module):
         return self.net(self.normalize(x))
 
 
+def _check_input_size(net: nn.Module, name: str, in_channels: int, size: int, key: str) -> None:
+    """One image of the smallest training size through the new net (evaluation mode: no statistics change, no
+    randomness drawn): a size its pooling cannot take is one sentence now, not a traceback at the first step."""
+    net.eval()
+    try:
+        with torch.no_grad():
+            net(torch.zeros(1, in_channels, size, size))
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())[:200]
+        raise UserError(f"model {name} cannot take {size}x{size}-pixel images ({detail}); give a larger {key}.") \
+            from None
+    finally:
+        net.train()
+
+
 def build_classifier(cfg: Config, info, device: torch.device | None = None, channels_last: bool = False
                      ) -> Classifier:
     """The configured net behind the data set's normalization, on `device`, in channels-last memory if asked."""
@@ -29,6 +45,9 @@ def build_classifier(cfg: Config, info, device: torch.device | None = None, chan
         stem = "small" if info.image_size <= 64 else "imagenet"
     net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
                       zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
+    smallest = min([info.image_size] + [p["image_size"] for p in cfg.data.resolution_phases])
+    _check_input_size(net, cfg.model.name, info.in_channels, smallest,
+                      "data.image_size" if smallest == info.image_size else "image_size in data.resolution_phases")
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
     # ignore: torch's stubs for Module.to omit memory_format (documented, accepted at run time)
     return model.to(memory_format=torch.channels_last) if channels_last else model  # type: ignore[call-overload]
