@@ -196,3 +196,17 @@ def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path)
     assert {r["global_batch"] for r in metrics if r["kind"] == "train"} == {32, 64}   # the switch happened
     assert "verdict" in data["table"] and "Claim" in (out / "study.md").read_text()
     assert "did not hold" in proc.stderr or "held" in proc.stderr
+
+
+def test_a_dry_run_lists_the_cells_and_writes_nothing(cli, tmp_path):
+    """--dry-run checks every cell and lists it; the study directory stays as it was (none created), so a real
+    study with other settings can use it afterwards."""
+    tiny = ["--set", "data.dataset=synthetic", "--set", "data.synthetic_size=160", "--set", "data.image_size=8",
+            "--set", "model.width=4", "--nproc-per-node", "1"]
+    for args in (["batch-scaling", "--batches", "32", "--optimizers", "sgd,lars", "--epochs", "1"],
+                 ["batch-control", "--batch", "64", "--start-batch", "32", "--switch-epochs", "1", "--epochs", "2"]):
+        out = tmp_path / args[0]
+        proc = cli("study", *args, *tiny, "--out", out, "--dry-run")
+        assert proc.returncode == 0, proc.stderr
+        assert "nothing written" in proc.stderr and "cell 1/" in proc.stderr
+        assert not out.exists()

@@ -485,7 +485,8 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
+        args.out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
                 "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
                 "lr_grid": args.lr_grid, "val_split": args.val_split,
@@ -495,7 +496,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
                         "add values), or use another --out.")
-    stored.write_text(json.dumps(settings, indent=2))
+    if not args.dry_run:
+        stored.write_text(json.dumps(settings, indent=2))
     from largebatch.commands.bench import machine
     import torch
 
@@ -510,9 +512,13 @@ def main(argv: list[str]) -> int:
         cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
                 **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console)}
         cells.append(cell)
-        write_outputs(args.out, meta, cells, batches, optimizers)
-    table = write_outputs(args.out, meta, cells, batches, optimizers)
+        if not args.dry_run:
+            write_outputs(args.out, meta, cells, batches, optimizers)
+    table = summarise(cells) if args.dry_run else write_outputs(args.out, meta, cells, batches, optimizers)
     console.print(markdown(table, sorted(batches), optimizers))
+    if args.dry_run:
+        console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+        return 0
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
                   f"{'' if not any(c.get('diverged') for c in cells) else ', %d diverged' % sum(bool(c.get('diverged')) for c in cells)}; "
                   f"results in {args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")

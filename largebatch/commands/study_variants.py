@@ -222,13 +222,15 @@ def run(kind: str, argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
+        args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
     stored = args.out / "study_settings.json"
     if stored.exists() and study.stored_settings(stored) != settings:
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "arguments, or use another --out.")
-    stored.write_text(json.dumps(settings, indent=2))
+    if not args.dry_run:
+        stored.write_text(json.dumps(settings, indent=2))
     import torch
 
     from largebatch.commands.bench import machine
@@ -244,6 +246,8 @@ def run(kind: str, argv: list[str]) -> int:
         cell = {"variant": name, "lr": lr, "seed": s,
                 **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console)}
         cells.append(cell)
+        if args.dry_run:
+            continue
         table = summarise(kind, cells)
         (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
         (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n"
@@ -251,6 +255,9 @@ def run(kind: str, argv: list[str]) -> int:
         if any(n != "verdict" for n in table):
             plot(table, args.out / "study.png", split)
     console.print(markdown(kind, summarise(kind, cells), split))
+    if args.dry_run:
+        console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+        return 0
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done; results in "
                   f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0
