@@ -134,6 +134,7 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
     (cell,) = json.loads((final / "study.json").read_text())["cells"]
     assert cell["lr"] == chosen and "val_split" not in cell["command"]
     assert "test top-1" in (final / "study.md").read_text()
+    assert "machine time of the finished cells: " in (final / "study.md").read_text()
     # any cell re-runs from the command study.json recorded, to the same top-1 (training is deterministic)
     argv = shlex.split(cell["command"])[1:]
     argv[argv.index("--run-dir") + 1] = str(tmp_path / "rerun")
@@ -195,6 +196,7 @@ def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path)
     metrics = [json.loads(line) for line in (study.Path(control["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert {r["global_batch"] for r in metrics if r["kind"] == "train"} == {32, 64}   # the switch happened
     assert "verdict" in data["table"] and "Claim" in (out / "study.md").read_text()
+    assert "machine time of the finished cells: " in (out / "study.md").read_text()
     assert "did not hold" in proc.stderr or "held" in proc.stderr
 
 

@@ -404,6 +404,12 @@ def claims_markdown(rows: list[dict], split: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_time(cells: list[dict]) -> str:
+    """The machine time the finished cells took: the sum of their training + evaluation wall times."""
+    seconds = sum(c.get("wall_s") or 0.0 for c in cells)
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
 def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], optimizers: list[str]) -> dict:
     """Step 4."""
     table = summarise(cells)
@@ -414,7 +420,7 @@ def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], 
                                                indent=2))
     md = (f"Command: `{meta['command']}`\n\nEpochs per cell: {meta['epochs']}, seeds: {meta['seeds']}, "
           f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, machine: "
-          f"{meta.get('machine', '')}\n\n" + markdown(table, batches, optimizers, split)
+          f"{meta.get('machine', '')}, machine time of the finished cells: {machine_time(cells)}\n\n" + markdown(table, batches, optimizers, split)
           + claims_markdown(verdicts, split))
     (out / "study.md").write_text(md)
     if table:
@@ -521,5 +527,6 @@ def main(argv: list[str]) -> int:
         return 0
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
                   f"{'' if not any(c.get('diverged') for c in cells) else ', %d diverged' % sum(bool(c.get('diverged')) for c in cells)}; "
-                  f"results in {args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
+                  f" in {machine_time(cells)} of training; results in {args.out / 'study.md'}, "
+                  f"{args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0

@@ -250,7 +250,8 @@ def run(kind: str, argv: list[str]) -> int:
             continue
         table = summarise(kind, cells)
         (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
-        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n"
+        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}; machine time "
+                                           f"of the finished cells: {study.machine_time(cells)}\n\n"
                                            + markdown(kind, table, split))
         if any(n != "verdict" for n in table):
             plot(table, args.out / "study.png", split)
@@ -258,7 +259,8 @@ def run(kind: str, argv: list[str]) -> int:
     if args.dry_run:
         console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
         return 0
-    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done; results in "
+    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done in "
+                  f"{study.machine_time(cells)} of training; results in "
                   f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0
 
