@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -133,7 +134,6 @@ def restore(module_or_optimizer, state: dict, what: str, path: Path, fix: str) -
     return result
 
 
-
 class RunState:
     """Step 6: a training run's state as one checkpoint: the model, optimizer, loss scaler, EMA model, the
     noise-scale averages, the comm hook's fields (without its process group: plain data, loads with
@@ -150,8 +150,6 @@ class RunState:
         self.config_hash, self.optimizer_name, self.keep, self.main = config_hash, optimizer_name, keep, main
 
     def state_dict(self, step: int, session_wall: float) -> dict:
-        import random
-
         return {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema is not None else {},
@@ -169,8 +167,6 @@ class RunState:
     def resume(self) -> int | None:
         """The newest intact checkpoint loaded into every part; its step, or None when there is none yet
         (said by the main process). A checkpoint that does not fit is one UserError naming the fix."""
-        import random
-
         from largebatch.errors import UserError
 
         found = latest(self.directory, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))

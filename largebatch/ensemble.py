@@ -169,12 +169,14 @@ def report(result: dict, metas: list[dict]) -> dict:
 
 
 def evaluate_run(model: nn.Module, run_dir: Path, train_source, test_source, info, device: torch.device, *,
-                 micro_batch: int, seed: int, precision: str, channels_last: bool, swa: bool) -> tuple[dict, int]:
-    """A run's snapshots, their softmax-average ensemble (and SWA, BN recomputed on the training set):
-    (the `report` record, the number of snapshots). All ranks call it."""
+                 batch: int, bn_batch: int, seed: int, precision: str, channels_last: bool,
+                 swa: bool) -> tuple[dict, int]:
+    """A run's snapshots, their softmax-average ensemble (and SWA, BN recomputed on training batches of
+    `bn_batch` images), evaluated in batches of `batch`: (the `report` record, the number of snapshots). All
+    ranks call it."""
     states, metas = load_states(run_dir)
-    swa_batches = bn_batches(len(train_source), info.rank, info.world_size, micro_batch, seed) if swa else None
+    swa_batches = bn_batches(len(train_source), info.rank, info.world_size, bn_batch, seed) if swa else None
     result = evaluate_snapshots(model, states, test_source, info.rank, info.world_size, device, precision=precision,
-                                channels_last=channels_last, batch=max(256, micro_batch),
+                                channels_last=channels_last, batch=batch,
                                 swa_source=train_source if swa else None, swa_batches=swa_batches)
     return report(result, metas), len(states)

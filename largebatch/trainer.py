@@ -290,7 +290,8 @@ class Trainer:
         """Every snapshot, their softmax-average ensemble (and SWA): a metrics record and summary keys."""
         rec, count = ensemble.evaluate_run(
             self.model, self.run_dir, self.train_data, self.test_data, self.info, self.device,
-            micro_batch=self.plan.phases[-1].micro_batch, seed=self.cfg.train.seed,
+            batch=max(256, self.plan.phases[-1].micro_batch), bn_batch=self.plan.phases[-1].micro_batch,
+            seed=self.cfg.train.seed,
             precision=self.cfg.train.precision, channels_last=self.channels_last, swa=self.cfg.ensemble.swa)
         self.metrics.write({"kind": "ensemble", "step": self.step, **rec})
         if self.main and not self.quiet:

@@ -68,19 +68,14 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     dist_mod.set_threads(cfg.train.threads, info.local_world_size)
     train, test, data_info = build_data(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    model = build_classifier(cfg, data_info).to(device)
     channels_last = use_channels_last(cfg.train.channels_last, device, cfg.train.precision)
-    if channels_last:
-        # ignore: torch's stubs for Module.to omit memory_format (documented, accepted at run time)
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model = build_classifier(cfg, data_info, device, channels_last)
     out: dict = {"run_dir": str(run_dir), "world_size": info.world_size}
     if use_ensemble:
-        states, metas = ensemble.load_states(run_dir)
-        swa_batches = ensemble.bn_batches(len(train), info.rank, info.world_size, batch, cfg.train.seed) if swa else None
-        result = ensemble.evaluate_snapshots(model, states, test, info.rank, info.world_size, device,
-                                             precision=cfg.train.precision, channels_last=channels_last, batch=batch,
-                                             swa_source=train if swa else None, swa_batches=swa_batches)
-        out.update(ensemble.report(result, metas))
+        rec, _ = ensemble.evaluate_run(model, run_dir, train, test, info, device, batch=batch, bn_batch=batch,
+                                       seed=cfg.train.seed, precision=cfg.train.precision,
+                                       channels_last=channels_last, swa=swa)
+        out.update(rec)
     else:
         if checkpoint_path is None:
             found = checkpoint.latest(run_dir / "checkpoints")

@@ -525,8 +525,8 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
         return 0
+    diverged = sum(bool(c.get("diverged")) for c in cells)
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
-                  f"{'' if not any(c.get('diverged') for c in cells) else ', %d diverged' % sum(bool(c.get('diverged')) for c in cells)}; "
-                  f" in {machine_time(cells)} of training; results in {args.out / 'study.md'}, "
-                  f"{args.out / 'study.json'}, {args.out / 'study.png'}")
+                  f"{f', {diverged} diverged' if diverged else ''} in {machine_time(cells)} of training; results in "
+                  f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
     return 0

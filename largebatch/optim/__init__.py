@@ -69,8 +69,6 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
     raise UserError(f"unknown optimizer {cfg.name!r}; choose one of: {', '.join(OPTIMIZERS)} (optim.name).")
 
 
-__all__ = ["LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer"]
-
 
 def build_ema(model: nn.Module, decay: float | None):
     """The exponential moving average of `model`'s weights and buffers (None without a decay)."""
@@ -79,3 +77,6 @@ def build_ema(model: nn.Module, decay: float | None):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+__all__ = ["LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer", "build_ema"]
