@@ -14,7 +14,7 @@ TUNE=${TUNE:-$OUT/tune}
 LB=${LB:-.venv/bin/largebatch}
 COMMON=(--batches 64,384,1536,3072 --optimizers sgd,lars,lamb --micro-batch 128 --set model.width=8
         --set train.noise_scale=true)
-lscpu | grep -E "Model name|Flags" | cut -c1-400
+echo "machine: $("$(dirname "$LB")/python" -c "import torch; from largebatch.commands.bench import machine; print(machine(torch.device('cpu')))")"
 [ "$TUNE" != "$OUT/tune" ] || "$LB" study batch-scaling "${COMMON[@]}" --epochs 8 --val-split 10000 \
   --opt-set sgd:schedule.warmup_epochs=0.444 --opt-set sgd:schedule.decay=step \
   --opt-set 'sgd:schedule.milestones=[2.667,5.333,7.111]' \

@@ -21,7 +21,7 @@ WHICH=${2:-both}
 LB=${LB:-.venv/bin/largebatch}
 SGD=(--micro-batch 128 --set model.width=8 --set optim.name=sgd --set optim.scaling_rule=linear
      --set schedule.warmup_start_lr=null)
-lscpu | grep -E "Model name|Flags" | cut -c1-400
+echo "machine: $("$(dirname "$LB")/python" -c "import torch; from largebatch.commands.bench import machine; print(machine(torch.device('cpu')))")"
 
 if [ "$WHICH" = both ] || [ "$WHICH" = batch-control ]; then
   BC=("${SGD[@]}" --batch 3072 --start-batch 1536 --set schedule.decay=step)

@@ -157,14 +157,16 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
     assert "schedule.epochs=16" in ens["ensemble"] and "ensemble.cycles=2" in ens["ensemble"]
     assert "schedule.epochs=24" in ens["single"] and "ensemble.cycles=0" in ens["single"]
     cells = ([{"variant": "single", "seed": s, "top1": t} for s, t in enumerate([0.90, 0.91, 0.92])]
-             + [{"variant": "ensemble", "seed": s, "top1": 0.0, "ensemble_top1": e, "best_snapshot_top1": b}
-                for s, (e, b) in enumerate([(0.93, 0.92), (0.925, 0.915), (0.935, 0.925)])])
+             + [{"variant": "ensemble", "seed": s, "top1": 0.0, "ensemble_top1": e, "best_snapshot_top1": b,
+                 "swa_top1": w} for s, (e, b, w) in enumerate([(0.93, 0.92, 0.94), (0.925, 0.915, 0.935),
+                                                               (0.935, 0.925, 0.945)])])
     table = sv.summarise("ensemble", cells)
     assert table["ensemble"]["top1_mean"] == pytest.approx(0.93)          # the ensemble's own top-1
     assert table["verdict"]["gain_over_best_snapshot"] == pytest.approx(0.01)
     assert table["verdict"]["holds"] is True
     md = sv.markdown("ensemble", table, "test")
     assert "| ensemble | 93.00 ± 0.50 | 3 | 92.00 ± 0.50 |" in md and "**held**" in md
+    assert "| weight average of the snapshots (SWA, BN recomputed) | 94.00 ± 0.50 | 3 | |" in md
     sv.plot(table, tmp_path / "bars.png", "test")
     assert (tmp_path / "bars.png").stat().st_size > 1000
 

@@ -461,7 +461,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
                      "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
                      "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir)})
-        for key in ("ensemble_top1", "best_snapshot_top1", "ensemble_gain"):
+        for key in ("ensemble_top1", "best_snapshot_top1", "ensemble_gain", "swa_top1"):
             if key in summ:
                 cell[key] = summ[key]
     return cell

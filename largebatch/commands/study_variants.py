@@ -121,6 +121,8 @@ def summarise(kind: str, cells: list[dict]) -> dict:
             row = {"variant": name, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(done)}
             if kind == "ensemble" and name == "ensemble":
                 row["best_snapshot_mean"], row["best_snapshot_std"] = _stats([c["best_snapshot_top1"] for c in done])
+                if all("swa_top1" in c for c in done):   # with ensemble.swa: the snapshots' weight average
+                    row["swa_mean"], row["swa_std"] = _stats([c["swa_top1"] for c in done])
             rows.append(row)
         if not rows:
             continue
@@ -155,6 +157,10 @@ def markdown(kind: str, table: dict, split: str) -> str:
             tried = f" (best of {runs}" + (f", {r['lrs_diverged']} diverged" if r.get("lrs_diverged") else "") + ")"
             extra += f" {r['lr']:g}{tried if runs > 1 else ''} |"
         rows.append(f"| {name} | {100 * r['top1_mean']:.2f} ± {100 * r['top1_std']:.2f} | {r['seeds']} |{extra}")
+    swa = table.get("ensemble", {})
+    if kind == "ensemble" and "swa_mean" in swa:
+        rows.append(f"| weight average of the snapshots (SWA, BN recomputed) | {100 * swa['swa_mean']:.2f} ± "
+                    f"{100 * swa['swa_std']:.2f} | {swa['seeds']} |" + " |" + (" |" if with_lr else ""))
     v = table.get("verdict")
     if v:
         what = ("control above fixed beyond the seeds' spread" if kind == "batch-control" else
