@@ -214,3 +214,25 @@ def test_a_dry_run_lists_the_cells_and_writes_nothing(cli, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "nothing written" in proc.stderr and "cell 1/" in proc.stderr
         assert not out.exists()
+
+
+def test_a_tiny_ensemble_study_records_the_ensemble_its_snapshots_and_their_weight_average(cli, tmp_path):
+    out = tmp_path / "ens"
+    cli("study", "ensemble", "--epochs", "3", "--cycles", "1", "--cycle-epochs", "1", "--collapse-epochs", "0.5",
+        "--seeds", "1", "--batch", "64", "--nproc-per-node", "1", "--set", "data.dataset=synthetic",
+        "--set", "data.synthetic_size=192", "--set", "data.image_size=8", "--set", "model.width=4",
+        "--set", "schedule.warmup_epochs=0", "--set", "ensemble.swa=true", "--set", "ensemble.rewarm_epochs=0.25",
+        "--out", out, check=True)
+    data = json.loads((out / "study.json").read_text())
+    single, = (c for c in data["cells"] if c["variant"] == "single")
+    ens, = (c for c in data["cells"] if c["variant"] == "ensemble")
+    assert "ensemble_top1" not in single and single["epochs"] == pytest.approx(3)
+    assert ens["epochs"] == pytest.approx(3)                      # the same budget: base 2 + 1 cycle of 1
+    summary = json.loads((study.Path(ens["run_dir"]) / "summary.json").read_text())
+    assert len(summary["snapshots"]) == 2
+    assert ens["ensemble_top1"] == summary["ensemble_top1"] and ens["swa_top1"] == summary["swa_top1"]
+    assert ens["best_snapshot_top1"] == max(s["top1"] for s in summary["snapshots"])
+    assert data["table"]["ensemble"]["top1_mean"] == ens["ensemble_top1"]
+    md = (out / "study.md").read_text()
+    assert f"| weight average of the snapshots (SWA, BN recomputed) | {100 * ens['swa_top1']:.2f} ± 0.00 | 1 |" in md
+    assert "Claim (ensemble >= single model and >= best snapshot + 0.3)" in md
