@@ -60,18 +60,32 @@ def _sony_2176_time() -> float:
 
 
 def _mlperf_multinode() -> list[Row]:
-    """MLPerf NVIDIA multi-node ResNet-50 results, each from its own result log (docs/performance_sources.md B15, B20-B29).
+    """MLPerf multi-node ResNet-50 results, each from its own result log (docs/performance_sources.md B15, B20-B49).
 
     images/s rows: the last throughput the log prints before run_stop; time rows: run_start to run_stop,
     with the log's epochs and MLPerf's evaluation every 4 epochs modelled. DGX-1: 8 V100 on NVLink 2, 4 IB EDR;
     DGX-2H: 16 V100-SXM3 on NVSwitch, 8 IB EDR for compute; DGX A100: NVLink 3, 8 IB HDR; DGX H100: NVLink 4,
-    8 IB NDR (the systems' descriptions)."""
+    8 IB NDR (the systems' descriptions). Other submitters' closed-division runs are rows too where the system
+    file names the NGC MXNet container of the release (NVIDIA's MXNet implementation: the release's stack) and
+    the devices are in the catalog; their nodes and links are their system files'. result_0.txt is read unless
+    the row says why not (a result_0 whose run_stop is "aborted" is not a time-to-train: the first converged
+    log is read)."""
     V = "validation"
     dgx1 = dict(device="v100", devices_per_node=8, intra_node="nvlink2", inter_node="ib-edr:4", precision="fp16")
     dgx2h = dict(device="v100", devices_per_node=16, intra_node="nvlink2", inter_node="ib-edr:8", precision="fp16")
     a100 = dict(device="a100", devices_per_node=8, intra_node="nvlink3", inter_node="ib-hdr:8", precision="fp16")
     h100 = dict(device="h100", devices_per_node=8, intra_node="nvlink4", inter_node="ib-ndr:8", precision="fp16")
     sxm3 = "V100-SXM3-32GB (DGX-2H) modelled as the catalog's V100 SXM2"
+    # other submitters' systems (their system files): Dell XE8545, 4 A100-SXM4 on NVLink 3, 2 IB HDR; Dell
+    # C4140, 4 V100-SXM2 on NVLink 2, inter-node network not described (1 IB EDR assumed); H3C R5500G5, 8 A100-SXM4
+    # on NVSwitch, 4 IB HDR; Dell XE9680, 8 GPUs on NVSwitch, 8 IB NDR (the H100 one is `h100`); Azure ND96amsr A100
+    # v4, 8 A100 on NVSwitch, 8 IB HDR (`a100`)
+    xe8545 = dict(device="a100", devices_per_node=4, intra_node="nvlink3", inter_node="ib-hdr:2", precision="fp16")
+    c4140 = dict(device="v100", devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:1", precision="fp16")
+    r5500 = dict(device="a100", devices_per_node=8, intra_node="nvlink3", inter_node="ib-hdr:4", precision="fp16")
+    xe9680_a100 = dict(device="a100", devices_per_node=8, intra_node="nvlink3", inter_node="ib-ndr:8", precision="fp16")
+    a100_var = "A100-SXM4-80GB{} modelled as the catalog's A100 (fitted to the 40 GB, 400 W DGX A100)"
+    c4140_net = "C4140 system file names only '1Gb Ethernet' host networking (MOFED installed): 1 IB EDR assumed"
 
     def ips(plan: dict[str, Any], n: int, batch: int, stack: str = "mlperf-2020") -> float:
         return predict(devices=n, global_batch=batch, stack=stack, **plan, **RN50).images_per_s
@@ -87,6 +101,11 @@ def _mlperf_multinode() -> list[Row]:
             1635376.64, ips(dgx2h, 1536, 59904, "mlperf-v0.6"), V,
             f"mlperf-v0.6; logged Speed of the last epoch (90); {sxm3}; 8 of the log's 10 "
             "EDR cards taken as compute links", nodes=96),
+        Row("MLPerf v0.6 NVIDIA (dgx2h_n32 result_0.txt)", "512 V100 (32 DGX-2H), 65 per GPU", "images/s",
+            635680.04, ips(dgx2h, 512, 33280, "mlperf-v0.6"), V,
+            f"mlperf-v0.6; logged Speed, last window before run_stop (epoch 72); 32 x 16 GPUs and 65 per GPU from "
+            f"the log (config_DGX2_multi_32x16x65.sh); {sxm3}; the 8 IB devices of the log's DGXIBDEVICES taken "
+            "as compute links", nodes=32),
         Row("MLPerf v0.7 NVIDIA (dgxa100_n2 result_0.txt)", "16 A100 (2 DGX A100), 204 per GPU", "images/s",
             36850.97, ips(a100, 16, 3264), V, "mlperf-2020; logged Speed, last window of epoch 41", nodes=2),
         Row("MLPerf v0.7 NVIDIA (dgxa100_n96 result_0.txt)", "768 A100 (96 DGX A100), 45 per GPU", "images/s",
@@ -94,19 +113,89 @@ def _mlperf_multinode() -> list[Row]:
         Row("MLPerf v0.7 NVIDIA (dgx2h_n32 result_0.txt)", "512 V100 (32 DGX-2H), 65 per GPU", "images/s",
             632904.99, ips(dgx2h, 512, 33280), V,
             f"mlperf-2020; logged Speed of epoch 56 (run_stop not in the part of the log read); {sxm3}", nodes=32),
+        Row("MLPerf v0.7 DellEMC (2xC4140 result_0.txt)", "8 V100 (2 C4140), 208 per GPU", "images/s",
+            11245.37, ips(c4140, 8, 1664), V,
+            f"mlperf-2020 (NGC MXNet 20.06); logged Speed, last window before run_stop (epoch 40); mpirun -np 8 and "
+            f"batch_size=208 from the log; V100-SXM2-32GB; {c4140_net}", nodes=2),
+        Row("MLPerf v0.7 DellEMC (4xC4140 result_0.txt)", "16 V100 (4 C4140), 208 per GPU", "images/s",
+            22182.08, ips(c4140, 16, 3328), V,
+            f"mlperf-2020 (NGC MXNet 20.06); logged Speed, last window before run_stop (epoch 41); 16 ranks and "
+            f"batch_size=208 from the log; V100-SXM2-32GB; {c4140_net}", nodes=4),
         Row("MLPerf v1.0 NVIDIA (dgxa100_n8 result_1.txt)", "64 A100 (8 DGX A100), 204 per GPU", "images/s",
             198446.97, ips(a100, 64, 13056, "mlperf-v1.0"), V,
             "mlperf-v1.0; logged throughput of the last epoch (45); 8 IB HDR assumed as in the v0.7 and v1.1 "
             "DGX A100 system files", nodes=8),
+        Row("MLPerf v1.0 Dell (2xXE8545x4A100-SXM-80GB result_0.txt)", "8 A100 (2 XE8545), 408 per GPU", "images/s",
+            25152.22, ips(xe8545, 8, 3264, "mlperf-v1.0"), V,
+            f"mlperf-v1.0 (NGC MXNet 21.05); logged throughput of the last epoch (35); 8 tasks, 4 per node, "
+            f"--batch-size 408 from the log; 2 IB HDR (system file); {a100_var.format(' 500 W')}", nodes=2),
         Row("MLPerf v1.1 NVIDIA (dgxa100_n128 result_0.txt)", "1,024 A100 (128 DGX A100), 35 per GPU, 56 epochs",
             "time-to-train (s)", 32.623, secs(a100, 1024, 35840, 56, "mlperf-v1.1"), V, "mlperf-v1.1; run_start to run_stop",
             nodes=128),
         Row("MLPerf v1.1 NVIDIA (dgxa100_n540 result_0.txt)", "4,320 A100 (540 DGX A100), 15 per GPU, 85 epochs",
             "time-to-train (s)", 21.136, secs(a100, 4320, 64800, 85, "mlperf-v1.1"), V, "mlperf-v1.1; run_start to run_stop",
             nodes=540),
+        Row("MLPerf v1.1 NVIDIA (dgxa100_n8 result_0.txt)", "64 A100 (8 DGX A100), 51 per GPU, 35 epochs",
+            "time-to-train (s)", 271.596, secs(a100, 64, 3264, 35, "mlperf-v1.1"), V,
+            "mlperf-v1.1; run_start to run_stop; d_batch_size 51, global_batch_size 3264 and epoch 35 from the log",
+            nodes=8),
+        Row("MLPerf v1.1 Azure (nd96amsr_a100_v4_n8 result_0.txt)", "64 A100 (8 ND96amsr A100 v4), 51 per GPU, 35 epochs",
+            "time-to-train (s)", 275.232, secs(a100, 64, 3264, 35, "mlperf-v1.1"), V,
+            f"mlperf-v1.1 (MXNet NVIDIA Release 21.09); run_start to run_stop; batch 51, global_batch_size 3264 and "
+            f"epoch 35 from the log; 8 nodes, 8 IB HDR each (system file); {a100_var.format(' 400 W')}", nodes=8),
+        Row("MLPerf v1.1 Dell (2xXE8545x4A100-SXM-80GB result_0.txt)", "8 A100 (2 XE8545), 408 per GPU, 35 epochs",
+            "time-to-train (s)", 1807.272, secs(xe8545, 8, 3264, 35, "mlperf-v1.1"), V,
+            f"mlperf-v1.1 (NGC MXNet 21.09); run_start to run_stop; batch_size=408 (8 ranks), global_batch_size 3264 "
+            f"and epoch 35 from the log; 2 IB HDR (system file); {a100_var.format(' 500 W')}", nodes=2),
         Row("MLPerf v2.0 NVIDIA (dgxa100_n527 result_0.txt)", "4,216 A100 (527 DGX A100), 16 per GPU, 86 epochs",
             "time-to-train (s)", 19.092, secs(a100, 4216, 67456, 86, "mlperf-v2.0"), V, "mlperf-v2.0; run_start to run_stop",
             nodes=527),
+        Row("MLPerf v2.0 NVIDIA (dgxa100_n8 result_0.txt)", "64 A100 (8 DGX A100), 51 per GPU, 35 epochs",
+            "time-to-train (s)", 270.100, secs(a100, 64, 3264, 35, "mlperf-v2.0"), V,
+            "mlperf-v2.0; run_start to run_stop; d_batch_size 51, global_batch_size 3264 and epoch 35 from the log",
+            nodes=8),
+        Row("MLPerf v2.0 NVIDIA (dgxa100_n128 result_0.txt)", "1,024 A100 (128 DGX A100), 35 per GPU, 56 epochs",
+            "time-to-train (s)", 31.767, secs(a100, 1024, 35840, 56, "mlperf-v2.0"), V,
+            "mlperf-v2.0; run_start to run_stop; d_batch_size 35, global_batch_size 35840 and epoch 56 from the log",
+            nodes=128),
+        Row("MLPerf v2.0 Azure (ND96amsr_A100_v4_n8 result_0.txt)", "64 A100 (8 ND96amsr A100 v4), 51 per GPU, 35 epochs",
+            "time-to-train (s)", 275.586, secs(a100, 64, 3264, 35, "mlperf-v2.0"), V,
+            f"mlperf-v2.0 (MxNet NVIDIA Release 22.04); run_start to run_stop; srun 64 tasks, 8 per node, "
+            f"batch_size=51 and epoch 35 from the log (global 3264 derived); 8 IB HDR (system file); {a100_var.format('')}",
+            nodes=8),
+        Row("MLPerf v2.0 Dell (2xXE8545x4A100-SXM-40GB result_0.txt)", "8 A100 (2 XE8545), 204 per GPU, 35 epochs",
+            "time-to-train (s)", 2007.073, secs(xe8545, 8, 1632, 35, "mlperf-v2.0"), V,
+            "mlperf-v2.0 (NGC MXNet 22.05, system file); run_start to run_stop; DGXNNODES=2, DGXNGPU=4, BATCHSIZE=204 "
+            "and epoch 35 from the log (global 1632 derived); 2 IB HDR (the XE8545 system files)", nodes=2),
+        Row("MLPerf v2.0 Dell (4xXE8545x4A100-SXM-40GB result_0.txt)", "16 A100 (4 XE8545), 204 per GPU, 35 epochs",
+            "time-to-train (s)", 1025.241, secs(xe8545, 16, 3264, 35, "mlperf-v2.0"), V,
+            "mlperf-v2.0 (NGC MXNet 22.05, system file); run_start to run_stop; 16 ranks, batch_size=204 and epoch 35 "
+            "from the log (global 3264 derived); 2 IB HDR (the XE8545 system files)", nodes=4),
+        Row("MLPerf v2.0 Dell (8xXE8545x4A100-SXM-40GB result_0.txt)", "32 A100 (8 XE8545), 102 per GPU, 35 epochs",
+            "time-to-train (s)", 585.455, secs(xe8545, 32, 3264, 35, "mlperf-v2.0"), V,
+            "mlperf-v2.0 (NGC MXNet 22.05, system file); run_start to run_stop; d_batch_size 102, global_batch_size "
+            "3264 and epoch 35 from the log; 2 IB HDR (the XE8545 system files)", nodes=8),
+        Row("MLPerf v2.0 Dell (16xXE8545x4A100-SXM-40GB result_0.txt)", "64 A100 (16 XE8545), 204 per GPU, 45 epochs",
+            "time-to-train (s)", 332.159, secs(xe8545, 64, 13056, 45, "mlperf-v2.0"), V,
+            "mlperf-v2.0 (NGC MXNet 22.05, system file); run_start to run_stop; 64 ranks, batch_size=204 and epoch 45 "
+            "from the log (global 13056 derived); 2 IB HDR (the XE8545 system files)", nodes=16),
+        Row("MLPerf v2.0 Dell (32xXE8545x4A100-SXM-40GB result_0.txt)", "128 A100 (32 XE8545), 128 per GPU, 47 epochs",
+            "time-to-train (s)", 195.463, secs(xe8545, 128, 16384, 47, "mlperf-v2.0"), V,
+            "mlperf-v2.0 (NGC MXNet 22.05, system file); run_start to run_stop; 128 ranks, batch_size=128 and epoch 47 "
+            "from the log (global 16384 derived); 2 IB HDR (system file)", nodes=32),
+        Row("MLPerf v2.0 Dell (2xXE8545x4A100-SXM-80GB result_0.txt)", "8 A100 (2 XE8545), 408 per GPU, 35 epochs",
+            "time-to-train (s)", 1719.236, secs(xe8545, 8, 3264, 35, "mlperf-v2.0"), V,
+            f"mlperf-v2.0; run_start to run_stop; 8 ranks, batch_size=408 and epoch 35 from the log (global 3264 "
+            f"derived); 2 IB HDR as in the system's v1.0 and v1.1 files; {a100_var.format(' 500 W')}", nodes=2),
+        Row("MLPerf v2.0 Dell (4xXE8545x4A100-SXM-80GB result_0.txt)", "16 A100 (4 XE8545), 204 per GPU, 35 epochs",
+            "time-to-train (s)", 951.976, secs(xe8545, 16, 3264, 35, "mlperf-v2.0"), V,
+            f"mlperf-v2.0; run_start to run_stop; 16 ranks, batch_size=204 and epoch 35 from the log (global 3264 "
+            f"derived); 2 IB HDR as in the XE8545 system files; {a100_var.format(' 500 W')}", nodes=4),
+        Row("MLPerf v2.0 H3C (2R5500G5-Intelx8A100-SXM-80GB result_1.txt)", "16 A100 (2 R5500 G5), 204 per GPU, 35 epochs",
+            "time-to-train (s)", 922.968, secs(r5500, 16, 3264, 35, "mlperf-v2.0"), V,
+            f"mlperf-v2.0 (NGC MXNet 22.04, system file); result_1: there is no result_0 (logs numbered 1 to 5); "
+            f"run_start to run_stop; srun 16 tasks, 8 per node, batch_size=204 and epoch 35 from the log (global 3264 "
+            f"derived); 4 IB HDR (system file); {a100_var.format('')}", nodes=2),
         Row("MLPerf v3.0 NVIDIA (dgxh100_n8 result_0.txt)", "64 H100 (8 DGX H100), 50 per GPU, 35 epochs",
             "time-to-train (s)", 159.917, secs(h100, 64, 3200, 35, "mlperf-v3.0"), V,
             "mlperf-v3.0; run_start to run_stop (official score 2.664 min)", nodes=8),
@@ -120,6 +209,16 @@ def _mlperf_multinode() -> list[Row]:
             "time-to-train (s)", 10.961, secs(h100, 3584, 57344, 77, "mlperf-v3.0"), V,
             "mlperf-v3.0 (MLPerf ID 3.0-2002, MXNet 23.04); run_start to run_stop (official score 0.183 min)",
             nodes=448),
+        Row("MLPerf v3.0 Dell (2xXE9680x8A100-SXM-80GB result_1.txt)", "16 A100 (2 XE9680), 204 per GPU, 36 epochs",
+            "time-to-train (s)", 863.728, secs(xe9680_a100, 16, 3264, 36, "mlperf-v3.0"), V,
+            f"mlperf-v3.0 (NGC MXNet 23.04; the A100 keeps v2.0's factor); result_1: result_0's run_stop is "
+            f"'aborted' (epoch 37, accuracy 0.758); run_start to run_stop; 16 tasks, 8 per node, global_batch_size "
+            f"3264 and epoch 36 from the log; 8 IB NDR (system file); {a100_var.format(' 500 W')}", nodes=2),
+        Row("MLPerf v3.0 Dell (2xXE9680x8H100-SXM-80GB result_1.txt)", "16 H100 (2 XE9680), 200 per GPU, 35 epochs",
+            "time-to-train (s)", 468.899, secs(h100, 16, 3200, 35, "mlperf-v3.0"), V,
+            "mlperf-v3.0 (NGC MXNet 23.04); result_1: result_0's run_stop is 'aborted' (epoch 37, accuracy 0.758); "
+            "run_start to run_stop; 16 ranks, global_batch_size 3200 and epoch 35 from the log; H100-SXM5 700 W, "
+            "8 IB NDR (system file)", nodes=2),
     ]
 
 
