@@ -236,3 +236,36 @@ def test_a_tiny_ensemble_study_records_the_ensemble_its_snapshots_and_their_weig
     md = (out / "study.md").read_text()
     assert f"| weight average of the snapshots (SWA, BN recomputed) | {100 * ens['swa_top1']:.2f} ± 0.00 | 1 |" in md
     assert "Claim (ensemble >= single model and >= best snapshot + 0.3)" in md
+
+
+def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_path):
+    """Tuning studies of one protocol extend each other (a batch tuned later, lr values past a grid's edge): the
+    final study takes the best validation top-1 over all their cells. Studies of different protocols are refused
+    in one sentence, since their top-1s do not compare."""
+    protocol = {"recipe": "fashion_mnist", "epochs": 1.0, "val_split": 32, "overrides": ["model.width=4"]}
+
+    def tuning(name, rows, **changed):
+        (tmp_path / name).mkdir()
+        table = {f"{o}@{b}@{lr}": {"batch": b, "optimizer": o, "lr": lr, "top1_mean": top1}
+                 for b, o, lr, top1 in rows}
+        (tmp_path / name / "study.json").write_text(json.dumps({**protocol, **changed, "table": table}))
+        return tmp_path / name
+
+    first = tuning("first", [(32, "sgd", 0.05, 0.6), (32, "sgd", 0.4, 0.7)])
+    later = tuning("later", [(16, "sgd", 0.1, 0.65), (16, "sgd", 0.2, 0.55)])
+    edge = tuning("edge", [(32, "sgd", 0.8, 0.75), (16, "sgd", 0.05, 0.6)])    # past the grid's edge
+    assert study.chosen_lrs_of([first, later]) == {(32, "sgd"): 0.4, (16, "sgd"): 0.1}
+    assert study.chosen_lrs_of([first, later, edge]) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
+    assert study.chosen_lrs_of([edge, later, first]) == study.chosen_lrs_of([first, later, edge])
+    assert study.chosen_lrs_of([]) is None
+    tiny = ["--optimizers", "sgd", "--epochs", "1", "--nproc-per-node", "1", "--set", "data.dataset=synthetic",
+            "--set", "data.synthetic_size=160", "--set", "data.image_size=8", "--set", "model.width=4",
+            "--dry-run", "--out", tmp_path / "final"]
+    proc = cli("study", "batch-scaling", "--batches", "16,32", "--from-tuning", first, "--from-tuning", later,
+               "--from-tuning", edge, *tiny)
+    assert proc.returncode == 0, proc.stderr
+    assert "sgd batch 16 lr 0.1 seed 0" in proc.stderr and "sgd batch 32 lr 0.8 seed 0" in proc.stderr
+    longer = tuning("longer", [(32, "sgd", 0.1, 0.9)], epochs=3.0)
+    refused = cli("study", "batch-scaling", "--batches", "32", "--from-tuning", first, "--from-tuning", longer, *tiny)
+    assert refused.returncode == 2 and "were tuned differently (epochs)" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -21,7 +21,9 @@ Tuning without the test set, in two studies:
   The table marks, per batch x optimizer, the lr with the best mean validation top-1.
 - final: `--from-tuning TUNING_OUT` takes each batch x optimizer's chosen lr from that study's
   study.json (which must have used --val-split) and trains every seed on the full training set,
-  reporting test top-1.
+  reporting test top-1. It may be given more than once, for tuning studies of one protocol that extend
+  each other (a batch tuned later, lr values beyond a grid's edge): the best validation top-1 over all
+  their cells chooses.
 """
 from __future__ import annotations
 
@@ -67,8 +69,9 @@ def parser() -> ArgumentParser:
                    help="tune: the optim.lr values to try for one optimizer (repeatable), e.g. lars:1,2,4")
     p.add_argument("--val-split", type=int, default=None,
                    help="tune: hold out this many training images and evaluate every cell on them (data.val_split)")
-    p.add_argument("--from-tuning", type=Path, default=None,
-                   help="final: each batch x optimizer's lr chosen by the tuning study in this directory")
+    p.add_argument("--from-tuning", type=Path, action="append", default=[], metavar="TUNING_OUT",
+                   help="final: each batch x optimizer's lr chosen by the tuning study in this directory "
+                        "(repeatable: the best over studies of one protocol)")
     p.add_argument("--dry-run", action="store_true", help="check and list the cells, train nothing")
     return p
 
@@ -127,22 +130,57 @@ def stored_settings(path: Path) -> dict:
     return data
 
 
-def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
-    """Each (batch, optimizer)'s lr with the best mean validation top-1 in a tuning study's study.json."""
+# What a tuning study's protocol is: studies that extend one another (more lr values, more batches) must agree here.
+TUNING_PROTOCOL = ("recipe", "epochs", "nproc_per_node", "micro_batch", "overrides", "opt_set", "val_split")
+
+
+def _tuning_rows(tuning_json: Path) -> tuple[dict, list[tuple[int, str, float, float | None]]]:
+    """A tuning study's study.json and its table as (batch, optimizer, mean validation top-1, lr) rows."""
     data = read_study(tuning_json, "batch-scaling")
     if not data.get("val_split"):
         raise UserError(f"--from-tuning: {tuning_json} was not run with --val-split, so its choices saw the test "
                         "set; tune with --val-split N first.")
-    best: dict[tuple[int, str], tuple[float, float | None]] = {}
     try:
-        for row in data["table"].values():
-            key = (row["batch"], row["optimizer"])
-            if key not in best or row["top1_mean"] > best[key][0]:
-                best[key] = (row["top1_mean"], row.get("lr"))
+        rows = [(row["batch"], row["optimizer"], row["top1_mean"], row.get("lr")) for row in data["table"].values()]
     except (KeyError, TypeError, AttributeError):
         raise UserError(f"--from-tuning: {tuning_json} has a table row without batch, optimizer or top1_mean; give "
                         "the --out of a finished tuning study.") from None
+    return data, rows
+
+
+def _best(rows) -> dict[tuple[int, str], float | None]:
+    best: dict[tuple[int, str], tuple[float, float | None]] = {}
+    for batch, opt, top1, lr in rows:
+        if (batch, opt) not in best or top1 > best[(batch, opt)][0]:   # ties: the first listed stands
+            best[(batch, opt)] = (top1, lr)
     return {k: v[1] for k, v in best.items()}
+
+
+def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
+    """Each (batch, optimizer)'s lr with the best mean validation top-1 in a tuning study's study.json."""
+    return _best(_tuning_rows(tuning_json)[1])
+
+
+def chosen_lrs_of(tuning_outs: list[Path]) -> dict[tuple[int, str], float | None] | None:
+    """The choices of all the --from-tuning studies together (None without one): each (batch, optimizer)'s lr
+    with the best mean validation top-1 over every cell of them. So a tuning study is extended by another of
+    the same protocol: a batch tuned later, or lr values beyond a grid's edge. Studies of different protocols
+    (epochs, settings, validation split) are one sentence: their top-1s do not compare."""
+    if not tuning_outs:
+        return None
+    rows: list[tuple[int, str, float, float | None]] = []
+    first: tuple[Path, dict] | None = None
+    for out in tuning_outs:
+        data, more = _tuning_rows(out / "study.json")
+        protocol = {k: data.get(k) for k in TUNING_PROTOCOL}
+        if first is None:
+            first = (out, protocol)
+        elif protocol != first[1]:
+            differ = ", ".join(k for k in TUNING_PROTOCOL if protocol[k] != first[1][k])
+            raise UserError(f"--from-tuning: {first[0]} and {out} were tuned differently ({differ}), so their "
+                            "validation top-1s do not compare; give tuning studies of one protocol.")
+        rows += more
+    return _best(rows)
 
 
 def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict[str, list[float]],
@@ -482,9 +520,9 @@ def main(argv: list[str]) -> int:
     grid = lr_grid(args.lr_grid, optimizers)
     if args.val_split is not None and args.val_split < 1:
         raise UserError(f"--val-split is {args.val_split}; give a number of held-out training images.")
-    if args.from_tuning is not None and (grid or args.val_split):
+    if args.from_tuning and (grid or args.val_split):
         raise UserError("--from-tuning runs the chosen settings on the test set; leave out --lr-grid and --val-split.")
-    chosen = chosen_lrs(args.from_tuning / "study.json") if args.from_tuning is not None else None
+    chosen = chosen_lrs_of(args.from_tuning)
     plan = plan_cells(batches, optimizers, args.seeds, grid, chosen)
     train_size = _check_cells(args, batches, optimizers)
 
@@ -496,7 +534,7 @@ def main(argv: list[str]) -> int:
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
                 "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
                 "lr_grid": args.lr_grid, "val_split": args.val_split,
-                "from_tuning": str(args.from_tuning) if args.from_tuning else None}
+                "from_tuning": ", ".join(map(str, args.from_tuning)) or None}
     stored = args.out / "study_settings.json"
     if stored.exists() and not same_study(stored_settings(stored), settings, optimizers):
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
