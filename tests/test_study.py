@@ -2,6 +2,7 @@
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -169,6 +170,17 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
     assert "| weight average of the snapshots (SWA, BN recomputed) | 94.00 ± 0.50 | 3 | |" in md
     sv.plot(table, tmp_path / "bars.png", "test")
     assert (tmp_path / "bars.png").stat().st_size > 1000
+    # the training-loss curves: at the chosen lr only, over the epochs every seed logged
+    for c in cells:
+        c["run_dir"] = str(tmp_path / f"{c['variant']}-{c['seed']}")
+        Path(c["run_dir"]).mkdir()
+        losses = [(0.5, 2.0 + c["seed"]), (1.0, 1.0 + c["seed"])] + ([(1.5, 0.5)] if c["seed"] == 0 else [])
+        Path(c["run_dir"], "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "train", "epoch": e, "loss": v}) + "\n" for e, v in losses))
+    curves = sv.loss_curves(table, cells + [{"variant": "single", "lr": 9.0, "top1": 0.5, "run_dir": "absent"}])
+    assert curves["single"] == [(0.5, 3.0, 2.0, 4.0), (1.0, 2.0, 1.0, 3.0)]
+    sv.plot(table, tmp_path / "curves.png", "test", curves)
+    assert (tmp_path / "curves.png").stat().st_size > (tmp_path / "bars.png").stat().st_size
 
 
 def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path):

@@ -10,7 +10,7 @@ over seeds, each a table of its own.
 
 Cells run as in `study batch-scaling` (`study.run_cell`): each a `largebatch train` of its own, resumable, its
 exact command in OUT/study.json; OUT/study.md holds the table (mean ± sample std over seeds), OUT/study.png the
-bars. Tuned as the batch-scaling study is, never on the test set:
+bars and each variant's training loss against epoch. Tuned as the batch-scaling study is, never on the test set:
 - tuning: `--val-split N --lr-grid A,B,C` runs every variant at every optim.lr of the grid (an equal budget per
   variant) and evaluates on N held-out training images; each variant's chosen lr is its best mean there;
 - final: `--from-tuning TUNING_OUT` runs each variant at its chosen lr, on the test set.
@@ -173,20 +173,60 @@ def markdown(kind: str, table: dict, split: str) -> str:
     return "\n".join(rows) + "\n"
 
 
-def plot(table: dict, path: Path, split: str) -> None:
+def loss_curves(table: dict, cells: list[dict]) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per variant, at its chosen lr: the training loss against epoch over its finished seeds, as
+    (epoch, mean, min, max) at the epochs every seed logged (the seeds share one schedule)."""
+    curves = {}
+    for name, row in table.items():
+        if name == "verdict":
+            continue
+        runs = [{r["epoch"]: r["loss"] for r in study._train_records(Path(c["run_dir"]))}
+                for c in cells if c["variant"] == name and c.get("lr") == row.get("lr") and c.get("top1") is not None]
+        epochs = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+        curves[name] = [(e, sum(r[e] for r in runs) / len(runs), min(r[e] for r in runs), max(r[e] for r in runs))
+                        for e in epochs]
+    return curves
+
+
+def plot(table: dict, path: Path, split: str, curves: dict | None = None) -> None:
+    """Left: top-1 per variant (mean, error bar = std over seeds), for the ensemble study also its best
+    snapshot and the snapshots' weight average; right, with `curves`: training loss against epoch per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [n for n in table if n != "verdict"]
-    fig, ax = plt.subplots(figsize=(4.5, 3.5))
-    ax.bar(names, [100 * table[n]["top1_mean"] for n in names], yerr=[100 * table[n]["top1_std"] for n in names],
-           capsize=4, color=["#4c72b0", "#dd8452"][: len(names)])
-    low = min(100 * (table[n]["top1_mean"] - table[n]["top1_std"]) for n in names)
-    ax.set_ylim(max(0.0, low - 2), None)
+    bars = [(n, table[n]["top1_mean"], table[n]["top1_std"]) for n in names]
+    ens = table.get("ensemble", {})
+    if "best_snapshot_mean" in ens:
+        bars.append(("best snapshot", ens["best_snapshot_mean"], ens["best_snapshot_std"]))
+    if "swa_mean" in ens:
+        bars.append(("SWA", ens["swa_mean"], ens["swa_std"]))
+    colours = ["#4c72b0", "#dd8452", "#8c8c8c", "#55a868"]
+    with_curves = curves is not None and any(curves.values())
+    fig, axes = plt.subplots(1, 2 if with_curves else 1, figsize=(9.5 if with_curves else 4.5, 3.5), squeeze=False)
+    ax = axes[0][0]
+    ax.bar([b[0] for b in bars], [100 * b[1] for b in bars], yerr=[100 * b[2] for b in bars], capsize=4,
+           color=colours[: len(bars)])
+    low = min(100 * (b[1] - b[2]) for b in bars)
+    high = max(100 * (b[1] + b[2]) for b in bars)
+    ax.set_ylim(max(0.0, low - max(1.0, high - low)), min(100.0, high + 0.25 * max(1.0, high - low)))
     ax.set_ylabel(f"{split} top-1 (%)")
     ax.grid(axis="y", alpha=0.3)
+    if curves is not None and with_curves:
+        lx = axes[0][1]
+        for i, (name, points) in enumerate(curves.items()):
+            if not points:
+                continue
+            e, mean, lo, hi = zip(*points)
+            lx.plot(e, mean, color=colours[i % len(colours)], label=name)
+            lx.fill_between(e, lo, hi, color=colours[i % len(colours)], alpha=0.2)
+        lx.set_xlabel("epoch")
+        lx.set_ylabel("training loss")
+        lx.set_title("mean over seeds, band: their range", fontsize=9)
+        lx.grid(alpha=0.3)
+        lx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -260,7 +300,7 @@ def run(kind: str, argv: list[str]) -> int:
                                            f"of the finished cells: {study.machine_time(cells)}\n\n"
                                            + markdown(kind, table, split))
         if any(n != "verdict" for n in table):
-            plot(table, args.out / "study.png", split)
+            plot(table, args.out / "study.png", split, loss_curves(table, cells))
     console.print(markdown(kind, summarise(kind, cells), split))
     if args.dry_run:
         console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
