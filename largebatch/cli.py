@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 from largebatch.errors import UserError, describe_os_error, report
 
@@ -111,3 +113,21 @@ def check_numbers(*checks: tuple[str, float, bool, str]) -> None:
     for flag, value, ok, need in checks:
         if not ok:
             raise UserError(f"{flag} is {value}; give {need}.")
+
+
+def check_output_file(flag: str, path: str | Path | None) -> None:
+    """Before any work: the file `path` that a command writes at its end can be written there (not a
+    directory; its folder exists or can be made, and is writable), so a bad path does not cost the run."""
+    if not path:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file path.")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{flag} {path}: cannot create {folder} ({err.strerror}); give a path in a "
+                        "writable directory.") from None
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: {folder} is not writable; give a path in a writable directory.")

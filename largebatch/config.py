@@ -437,8 +437,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise UserError(f"--set {dotted}: unknown section {section!r}{_suggest(section, list(SECTIONS))}; "
                             f"valid sections: {', '.join(SECTIONS)}.")
         hints = typing.get_type_hints(SECTIONS[section])
-        if hints.get(key) is str and not isinstance(value, str) and value is not None:
-            value = raw   # a string key keeps what was typed (e.g. model.name=101, train.channels_last=on)
+        if hints.get(key) in (str, Optional[str]) and not isinstance(value, str) and value is not None:
+            value = raw   # a string key keeps what was typed (e.g. model.name=101, comm.grid=0x4: not hex 4)
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}

@@ -17,6 +17,8 @@ import signal
 import socket
 import sys
 
+from largebatch.errors import UserError
+
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
 
@@ -38,6 +40,21 @@ def without_options(argv: list[str], *flags: str) -> list[str]:
         elif not a.startswith(tuple(f + "=" for f in flags)):
             out.append(a)
     return out
+
+
+def check_worker_count(flag: str, nproc: int, low: int = 1) -> None:
+    """A count of local workers a user gave: at least `low`, and at most 8 per core (64 at least) - each
+    worker is a whole Python process with torch loaded, and 100,000 of them would exhaust the host before
+    the launcher could stop them. A larger world is planned with `train --dry-run --world-size N`."""
+    import os
+
+    cores = os.cpu_count() or 1
+    most = max(64, 8 * cores)
+    if nproc < low:
+        raise UserError(f"{flag} is {nproc}; give {low} or more workers.")
+    if nproc > most:
+        raise UserError(f"{flag} is {nproc}; this host has {cores} cores, so give at most {most} local workers "
+                        "(plan a larger world with largebatch train --dry-run --world-size N).")
 
 
 def local_workers(nproc: int, command: list[str], max_restarts: int = 0) -> list[str]:

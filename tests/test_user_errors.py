@@ -60,6 +60,8 @@ def _expect(result, *fragments):
     ("schedule.power=-1", "schedule.power is -1.0"),
     ("ensemble.cycles=-1", "ensemble.cycles is -1"),
     ("train.max_nonfinite=-1", "train.max_nonfinite is -1"),
+    ("data.image_size=100000", "do not fit in memory at data.image_size=100000"),   # were allocator tracebacks
+    ("data.crop_padding=100000", "data.crop_padding=100000; give smaller values"),
 ])
 def test_out_of_range_numbers(main, override, fragment):
     _expect(main("train", "--set", override, "--dry-run"), fragment)
@@ -302,6 +304,8 @@ def test_comm_values_are_checked_without_workers(main):
             "torus2d grid 'abc' is not of the form XxY")
     _expect(main("train", "--set", "comm.algorithm=hierarchical", "--set", "comm.inter=bogus", "--dry-run"),
             "inter='bogus' is unknown")
+    _expect(main("train", "--set", "comm.algorithm=torus2d", "--set", "comm.grid=0x4", "--dry-run"),
+            "torus2d grid '0x4' is not of the form XxY")   # was read as the hex number 4: "must be a str, got 4"
     code, _ = main("train", "--set", "schedule.milestones=[8, 16, 21.333]", "--set", "comm.algorithm=hierarchical",
                    "--set", "comm.impl=native", "--set", "comm.inter=native", "--dry-run")
     assert code == 0
@@ -440,3 +444,113 @@ def test_paths_and_pack_numbers(main, tmp_path):
         assert not (tmp_path / "shards").exists()
     _expect(main("data", "pack", src, a_file / "shards"), "could not write", "a file is where a directory is needed")
     assert a_file.read_text() == "x"
+
+
+# ------------------------------------------------------------------ bench, chaos, cluster, plan: before any work
+@pytest.mark.parametrize("args, fragment", [
+    (["bench", "data", "--width", "0"], "--width is 0; give 1 or more pixels"),
+    (["bench", "data", "--height", "-5"], "--height is -5"),
+    (["bench", "data", "--min-scale", "nan"], "--min-scale is nan; give an area fraction in (0, 1]"),
+    (["bench", "data", "--min-scale", "2"], "--min-scale is 2.0"),
+    (["bench", "allreduce", "--training", "--steps", "0"], "--steps is 0; give 1 or more"),
+    (["bench", "allreduce", "--training", "--bucket-mb", "nan"], "--bucket-mb is nan"),
+    (["bench", "allreduce", "--rounds", "0"], "--rounds is 0"),
+    (["bench", "allreduce", "--warmup", "-1"], "--warmup is -1"),
+    (["bench", "allreduce", "--sizes", "1KB:1MB:x"], "FACTOR 'x' is not an integer"),
+    (["bench", "optim", "--device", "tpu"], "--device is 'tpu'; give cpu or cuda"),
+    (["bench", "optim", "--threads", "0"], "--threads is 0"),
+    (["bench", "scaling", "--timeout", "nan"], "--timeout is nan; give a positive number of seconds"),
+    (["bench", "speedrun", "--lr", "inf", "--budget", "1", "--epochs", "1"], "--lr is inf"),
+    (["bench", "speedrun", "--threads", "0"], "--threads is 0"),
+])
+def test_bench_numbers(main, args, fragment):
+    """Each used to give a traceback (a zero-size JPEG, sleep(nan), torch.device('tpu'), a division by zero
+    --steps on every worker), or to run the whole benchmark on a meaningless value (--rounds 0, --lr inf)."""
+    _expect(main(*args), fragment)
+
+
+def test_chaos_delay_and_tolerance(main, tmp_path):
+    """--max-delay -1 failed in time.sleep after the whole baseline run; nan compared false everywhere."""
+    for flag, value in (("--max-delay", "-1"), ("--max-delay", "nan"), ("--tolerance", "nan")):
+        _expect(main("chaos", flag, value, "--out", tmp_path / "c", "--baseline-dir", tmp_path / "missing"),
+                f"{flag} is {float(value)}; give a finite number >= 0")
+    assert not (tmp_path / "c").exists()
+
+
+def test_output_files_are_checked_before_measuring(main, tmp_path):
+    """A --json path that is a directory, or under a file, was found only when writing, after the benchmark."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    tiny_train = ["--model", "speedrun", "--width", "4", "--image-size", "8", "--batch", "2", "--steps", "1",
+                  "--rounds", "1", "--peak-size", "16", "--configs", "fp32"]
+    for command in (["bench", "train", *tiny_train], ["bench", "data", "--images", "64", "--no-memory"],
+                    ["bench", "scaling"], ["bench", "speedrun", "--budget", "1", "--epochs", "1"]):
+        _expect(main(*command, "--json", tmp_path), "--json", "is a directory; give a file path")
+        _expect(main(*command, "--json", a_file / "x.json"), "--json", f"cannot create {a_file}")
+    _expect(main("plan", "--calibrate", "--catalog-out", tmp_path), "--catalog-out", "is a directory")
+    assert a_file.read_text() == "x"
+
+
+def test_a_measured_catalog_cut_short_or_reshaped(main, tmp_path, monkeypatch):
+    """`plan` read the user's catalog (what --calibrate wrote, or $LARGEBATCH_CATALOG) with no check: a file
+    cut short or edited into another shape was a traceback in every plan command."""
+    for name, text, fragment in (("cut.yaml", "devices: [1, 2\n", "is not valid YAML"),
+                                 ("list.yaml", "- 1\n- 2\n", "is a list, not a mapping of sections"),
+                                 ("entry.yaml", "devices:\n  a100: 5\n", "section 'devices' that is not a mapping")):
+        (tmp_path / name).write_text(text)
+        monkeypatch.setenv("LARGEBATCH_CATALOG", str(tmp_path / name))
+        _expect(main("plan"), f"the measured catalog {tmp_path / name}", fragment, "fix or delete it")
+        assert (tmp_path / name).read_text() == text
+
+
+def test_local_worker_counts_are_bounded(main, tmp_path, monkeypatch):
+    """`evaluate RUN --nproc-per-node 100000` started workers until the host ran out of processes (and a
+    SIGTERM then left hundreds of them orphaned); nothing may reach the launcher here."""
+    import os
+
+    from largebatch import launch
+
+    def no_launch(_):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(launch, "run_agent", no_launch)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    fragment = "is 65; this host has 2 cores, so give at most 64 local workers"
+    _expect(main("train", *TINY, "--nproc-per-node", "65", "--run-dir", tmp_path / "run"), "--nproc-per-node", fragment)
+    _expect(main("evaluate", tmp_path, "--nproc-per-node", "65"), "--nproc-per-node", fragment)
+    _expect(main("bench", "allreduce", "--nproc", "65"), "--nproc", fragment)
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_pack_never_writes_into_its_source(main, tmp_path):
+    """`data pack SRC SRC/train/shards` succeeded and left the shards as a class folder of SRC, which then
+    failed every training on SRC (and every later pack of it)."""
+    src = tmp_path / "if"
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            _jpeg(src / split / c / "0.jpg", 0)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    _expect(main("data", "pack", src, src / "train" / "shards"), "is inside the source's train/ split")
+    _expect(main("data", "pack", src, src / "val" / "a" / "x"), "is inside the source's val/ split")
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+
+
+def test_bench_data_never_writes_into_an_existing_dataset(main, tmp_path):
+    """`bench data --dir` ("reused if present") added ten class folders of generated JPEGs to whatever
+    directory it was given, a real ImageFolder included."""
+    src = tmp_path / "if"
+    _jpeg(src / "train" / "cat" / "0.jpg", 0)
+    small = ["--images", "64", "--passes", "1", "--stage-images", "0", "--no-memory", "--width", "16",
+             "--height", "16", "--size", "8", "--workers", "0"]
+    _expect(main("bench", "data", *small, "--dir", src), f"--dir {src} holds train, which bench data did not write")
+    assert [p.name for p in (src / "train").iterdir()] == ["cat"]
+
+
+def test_cluster_run_checks_its_command_before_building_hosts(main):
+    """An unknown largebatch command built the namespaced hosts and then failed on every node; a missing
+    --exec program gave torchrun's traceback from every node."""
+    _expect(main("cluster", "run", "--nodes", "2", "--", "frobnicate"),
+            "'frobnicate' after '--' is not a largebatch command", "--exec")
+    _expect(main("cluster", "run", "--", "bench", "nope"), "'bench nope'", "bench allreduce")
+    _expect(main("cluster", "run", "--exec", "--", "/nonexistent/prog"),
+            "--exec program '/nonexistent/prog' is not an executable file or on PATH")

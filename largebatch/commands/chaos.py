@@ -17,6 +17,7 @@ an uninterrupted run with the same seed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -161,6 +162,9 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.kills < 1:
         raise UserError(f"--kills is {args.kills}; give 1 or more.")
+    for flag, value in (("--max-delay", args.max_delay), ("--tolerance", args.tolerance)):
+        if not 0 <= value < math.inf:   # also nan; checked before the baseline run, not after it
+            raise UserError(f"{flag} is {value}; give a finite number >= 0.")
     from largebatch import config as config_mod
 
     cfg = config_mod.load(args.recipe, args.overrides)   # fail fast on a bad recipe or override

@@ -146,8 +146,29 @@ def parse_args(argv: list[str]) -> ClusterSpec:
     if not command:
         raise UserError("no command given; put it after '--', e.g. "
                         "'largebatch cluster run --nodes 2 -- bench allreduce'.")
+    _check_command(command, a.exec_mode)
     return ClusterSpec(a.nodes, a.procs_per_node, a.inter_node_gbit, a.inter_node_latency_ms,
                        a.port, a.keep_going, a.exec_mode, tuple(command))
+
+
+def _check_command(command: list[str], exec_mode: bool) -> None:
+    """Before any namespace is made: the program exists (--exec), or the largebatch command is known (an unknown
+    one would build the cluster and fail on every node; a missing program gave torchrun's traceback per node)."""
+    from largebatch.cli import COMMANDS
+
+    if exec_mode:
+        program = command[0]
+        if program in ("python", "python3"):
+            return
+        if shutil.which(program) is None:
+            raise UserError(f"--exec program {program!r} is not an executable file or on PATH; give its path "
+                            "(or 'python SCRIPT').")
+        return
+    if " ".join(command[:2]) in COMMANDS or command[0] in COMMANDS:
+        return
+    choices = [c for c in COMMANDS if c.split()[0] == command[0]] or sorted({c.split()[0] for c in COMMANDS})
+    raise UserError(f"{' '.join(command[:2])!r} after '--' is not a largebatch command; give one of: "
+                    f"{', '.join(choices)} (or pass --exec to run another program).")
 
 
 def check_system() -> None:

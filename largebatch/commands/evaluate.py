@@ -32,10 +32,9 @@ def parser() -> ArgumentParser:
 
 
 def _launch(args, argv: list[str]) -> int:
-    from largebatch.launch import local_workers, run_agent, without_options
+    from largebatch.launch import check_worker_count, local_workers, run_agent, without_options
 
-    if args.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
+    check_worker_count("--nproc-per-node", args.nproc_per_node)
     launcher = local_workers(args.nproc_per_node, ["evaluate", *without_options(argv, "--nproc-per-node")])
     return run_agent(launcher)[0]
 

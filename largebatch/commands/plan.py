@@ -216,10 +216,16 @@ def main(argv: list[str]) -> int:
         print("stacks:     " + ", ".join(described(n) for n in stack_names()))
         return 0
     if args.calibrate:
+        from largebatch.cli import check_output_file
         from largebatch.perf import calibrate
+        from largebatch.perf.catalog import read_user_catalog, user_catalog_path
+
+        out = Path(args.catalog_out) if args.catalog_out else user_catalog_path()
+        check_output_file("--catalog-out", out)   # before measuring: a bad path or file must not cost the run
+        read_user_catalog(out)
         entries = calibrate.measure(args.model, args.image_size, args.in_channels, args.num_classes, args.stem,
                                     args.width, args.precision, args.nproc)
-        path = calibrate.write(entries, Path(args.catalog_out) if args.catalog_out else None)
+        path = calibrate.write(entries, out)
         print(json.dumps(entries, indent=2) if args.json else f"wrote this-machine and loopback to {path}")
         return 0
     if args.validate:

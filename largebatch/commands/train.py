@@ -115,10 +115,9 @@ def print_plan(plan: dict) -> None:
 def launch(args, argv: list[str]) -> int:
     """Start the workers through torch's elastic launcher (torchrun), rendezvous on loopback."""
     from largebatch import rundir
-    from largebatch.launch import local_workers, run_agent, without_options
+    from largebatch.launch import check_worker_count, local_workers, run_agent, without_options
 
-    if args.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node is {args.nproc_per_node}; give 1 or more workers.")
+    check_worker_count("--nproc-per-node", args.nproc_per_node)
     if not 0 <= args.max_restarts <= 1000:
         raise UserError(f"--max-restarts is {args.max_restarts}; give a number from 0 to 1000.")
     run_dir = args.run_dir

@@ -109,7 +109,15 @@ def build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
     """
     subset = getattr(cfg, "subset", None)
     val_split = getattr(cfg, "val_split", None)
-    train, test, info = _build_data(cfg, seed)
+    try:
+        train, test, info = _build_data(cfg, seed)
+    except RuntimeError as err:   # the allocator: in-memory images at an absurd size or padding
+        if "allocate" not in str(err):
+            raise
+        keys = ["image_size", "crop_padding"] + (["synthetic_size"] if cfg.dataset == "synthetic" else [])
+        given = ", ".join(f"data.{k}={getattr(cfg, k)}" for k in keys)
+        raise UserError(f"the {cfg.dataset} images do not fit in memory at {given}; give smaller values "
+                        f"({' or '.join('data.' + k for k in keys)}).") from None
     if val_split is not None:
         if not 0 < val_split < len(train):
             raise UserError(f"data.val_split is {val_split}; give a number of images in 1..{len(train) - 1} "

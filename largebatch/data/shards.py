@@ -85,6 +85,10 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
     if dst.is_dir() and any(dst.iterdir()):
         raise UserError(f"data pack destination {dst} is not empty; give a new or empty directory (an existing "
                         "shard set is never overwritten: move it away first).")
+    for split in ("train", "val"):   # the shards would become a class folder of the ImageFolder they come from
+        if dst.resolve().is_relative_to((src / split).resolve()):
+            raise UserError(f"data pack destination {dst} is inside the source's {split}/ split {src / split}; "
+                            "give a destination outside train/ and val/ (the source is never written into).")
     classes, train_paths, train_labels = scan(src, "train")
     _, val_paths, val_labels = scan(src, "val", classes)
     tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"

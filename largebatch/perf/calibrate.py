@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from largebatch.launch import free_port
-from largebatch.perf.catalog import clear_cache, user_catalog_path
+from largebatch.perf.catalog import clear_cache, read_user_catalog, user_catalog_path
 from largebatch.perf.flops import model_cost
 
 
@@ -141,11 +141,9 @@ def write(entries: dict[str, Any], path: Path | None = None) -> Path:
     """Step 5: merge `entries` into the user catalog file and return its path."""
     path = Path(path) if path else user_catalog_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    old: dict[str, Any] = {}
-    if path.is_file():
-        old = yaml.safe_load(path.read_text()) or {}
+    old: dict[str, Any] = read_user_catalog(path)
     for section, items in entries.items():
-        old.setdefault(section, {}).update(items)
+        old[section] = {**(old.get(section) or {}), **items}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(old, sort_keys=False))
     tmp.replace(path)

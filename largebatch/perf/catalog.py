@@ -73,10 +73,28 @@ def _merge(base: dict, extra: dict) -> dict:
 def _load(user_path: str) -> dict[str, dict[str, Any]]:
     with open(PACKAGE_CATALOG) as f:
         data = yaml.safe_load(f)
-    path = Path(user_path)
-    if path.is_file():  # 2. the measured entries
-        with open(path) as f:
-            data = _merge(data, yaml.safe_load(f) or {})
+    return _merge(data, read_user_catalog(Path(user_path)))   # 2. the measured entries
+
+
+def read_user_catalog(path: Path) -> dict[str, dict[str, Any]]:
+    """The measured entries in `path` ({} when there is no file): a mapping of sections to mappings of
+    named entries. A file cut short or edited into another shape is one sentence naming it, not a traceback
+    in every `plan`."""
+    if not path.is_file():
+        return {}
+    fix = "fix or delete it (largebatch plan --calibrate writes it anew)"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise UserError(f"the measured catalog {path} is not valid YAML; {fix}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"the measured catalog {path} is a {type(data).__name__}, not a mapping of sections; {fix}.")
+    for section, entries in data.items():
+        if entries is None:
+            continue
+        if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+            raise UserError(f"the measured catalog {path} has a section {section!r} that is not a mapping of "
+                            f"named entries; {fix}.")
     return data
 
 

@@ -31,6 +31,7 @@ communication time per step, t(hook) - t(noop) (`measure_training`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from largebatch import comm
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_numbers, check_output_file
 from largebatch.perf import measured as cost
 from largebatch.algorithms import ALLREDUCE, TWO_LEVEL
 from largebatch.errors import UserError
@@ -69,7 +70,9 @@ def parse_sizes(text: str) -> list[int]:
         if len(parts) not in (2, 3):
             raise UserError(f"--sizes {text!r} must be LO:HI, LO:HI:FACTOR or a comma list, e.g. 4KB:64MB.")
         lo, hi = parse_size(parts[0]), parse_size(parts[1])
-        factor = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else 4
+        if len(parts) == 3 and not parts[2].isdigit():
+            raise UserError(f"--sizes {text!r}: FACTOR {parts[2]!r} is not an integer; give an integer FACTOR >= 2.")
+        factor = int(parts[2]) if len(parts) == 3 else 4
         if hi < lo or factor < 2:
             raise UserError(f"--sizes {text!r}: need LO <= HI and an integer FACTOR >= 2.")
         out = [lo]
@@ -118,6 +121,10 @@ def _parser() -> ArgumentParser:
 def _validate(args: Any) -> None:
     if args.nproc < 2:
         raise UserError(f"--nproc {args.nproc}: an all-reduce needs at least 2 processes.")
+    if not _under_torchrun():
+        from largebatch.launch import check_worker_count
+
+        check_worker_count("--nproc", args.nproc, low=2)
     for name in args.algorithms:
         base, impl = split_name(name)
         comm.resolve(base, impl_options(base, impl))
@@ -126,18 +133,14 @@ def _validate(args: Any) -> None:
     args.size_list = parse_sizes(args.sizes)
     if not args.size_list:
         raise UserError(f"--sizes {args.sizes!r} names no size; e.g. 4KB:64MB.")
-    for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
-        if path and not _under_torchrun():   # before the workers measure anything: their folder must take files
-            from pathlib import Path
-
-            folder = Path(path).parent
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise UserError(f"{flag} {path}: cannot create {folder} ({err.strerror}); give a path in a "
-                                "writable directory.") from None
-            if not os.access(folder, os.W_OK):
-                raise UserError(f"{flag} {path}: {folder} is not writable; give a path in a writable directory.")
+    check_numbers(("--warmup", args.warmup, args.warmup >= 0, "0 or more"),
+                  ("--rounds", args.rounds, args.rounds >= 1, "1 or more"),
+                  ("--steps", args.steps, args.steps >= 1, "1 or more"),
+                  ("--batch", args.batch, args.batch >= 1, "1 or more"),
+                  ("--bucket-mb", args.bucket_mb, 0 < args.bucket_mb < math.inf, "a positive size in MB"))
+    if not _under_torchrun():   # before the workers measure anything: their folder must take files
+        for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+            check_output_file(flag, path)
 
 
 def _under_torchrun() -> bool:

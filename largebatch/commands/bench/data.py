@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -46,7 +47,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers
+from largebatch.cli import ArgumentParser, check_numbers, check_output_file
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
 
@@ -78,6 +79,21 @@ def write_imagefolder(root: Path, images: int, classes: int = 10, width: int = 5
                 Image.fromarray(natural_image(i + (0 if split == "train" else 10**6), width, height)).save(
                     buf, "JPEG", quality=90)
                 path.write_bytes(buf.getvalue())
+
+
+def _check_bench_dir(root: Path) -> None:
+    """--dir takes the generated ImageFolder or one that an earlier run generated there: refuse a folder
+    that holds anything else (a real dataset would get ten class folders of noise added to it)."""
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--dir {root} is a file; give a new directory or one an earlier bench data run wrote.")
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        ours = entry.name in ("train", "val") and entry.is_dir() and all(
+            re.fullmatch(r"class\d{3}", c.name) and c.is_dir() for c in entry.iterdir())
+        if not ours:
+            raise UserError(f"--dir {root} holds {entry.name}, which bench data did not write; give a new "
+                            "directory (an existing dataset is never written into).")
 
 
 def rrc_params(width: int, height: int, min_scale: float) -> tuple[int, int, int, int]:
@@ -247,7 +263,13 @@ def main(argv: list[str]) -> int:
                   ("--workers", args.workers, args.workers >= 0, "0 or more"),
                   ("--size", args.size, args.size >= 8, "8 or more pixels"),
                   ("--passes", args.passes, args.passes >= 1, "1 or more"),
-                  ("--stage-images", args.stage_images, args.stage_images >= 0, "0 or more"))
+                  ("--stage-images", args.stage_images, args.stage_images >= 0, "0 or more"),
+                  ("--width", args.width, args.width >= 1, "1 or more pixels"),
+                  ("--height", args.height, args.height >= 1, "1 or more pixels"),
+                  ("--min-scale", args.min_scale, 0 < args.min_scale <= 1, "an area fraction in (0, 1]"))
+    check_output_file("--json", args.json)
+    if args.dir is not None:
+        _check_bench_dir(args.dir)
 
     from largebatch.data.imagefolder import ImageFolderSource, scan
 

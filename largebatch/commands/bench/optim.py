@@ -49,6 +49,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be at least 1.")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads is {args.threads}; give 1 or more.")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UserError(f"--device is {args.device!r}; give cpu or cuda (or cuda:N).")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
     if args.threads:

@@ -15,6 +15,7 @@ Weak scaling (FACTS.md): efficiency(N) = throughput(N) / (N x throughput(1)) at 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -85,11 +86,13 @@ def main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise UserError(f"--algorithms has {', '.join(bad) or 'nothing'}; choose from {', '.join(ALGORITHMS)}.")
-    from largebatch.cli import check_numbers
+    from largebatch.cli import check_numbers, check_output_file
 
     check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),
                   *((f"--{name.replace('_', '-')}", getattr(args, name), getattr(args, name) >= 1, "1 or more")
-                    for name in ("per_worker_batch", "steps", "threads", "repeats", "width")))
+                    for name in ("per_worker_batch", "steps", "threads", "repeats", "width")),
+                  ("--timeout", args.timeout, 0 < args.timeout < math.inf, "a positive number of seconds"))
+    check_output_file("--json", args.json)
 
     single: list[float] = []
     scaled: dict[str, list[float]] = {a: [] for a in algorithms}

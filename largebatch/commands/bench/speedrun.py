@@ -17,6 +17,7 @@ excluded):
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -61,13 +62,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    from largebatch.cli import check_numbers
+    from largebatch.cli import check_numbers, check_output_file
 
     check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
                   ("--epochs", args.epochs, args.epochs >= 1, "1 or more"),
                   ("--budget", args.budget, args.budget > 0, "a positive number of seconds"),
-                  ("--lr", args.lr, args.lr > 0, "a positive learning rate"),
+                  ("--lr", args.lr, 0 < args.lr < math.inf, "a positive learning rate"),
+                  ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
                   ("--target", args.target, 0 < args.target <= 1, "a top-1 fraction in (0, 1]"))
+    check_output_file("--json", args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
