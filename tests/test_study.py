@@ -226,6 +226,12 @@ def test_a_dry_run_lists_the_cells_and_writes_nothing(cli, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "nothing written" in proc.stderr and "cell 1/" in proc.stderr
         assert not out.exists()
+        # a dry run checks --out too: a file where the study directory would go is refused, not promised
+        (tmp_path / "file").write_text("kept")
+        for bad in (tmp_path / "file", tmp_path / "file" / "study"):
+            refused = cli("study", *args, *tiny, "--out", bad, "--dry-run")
+            assert refused.returncode == 2 and "is a file, not a directory" in refused.stderr, refused.stderr
+        assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_a_tiny_ensemble_study_records_the_ensemble_its_snapshots_and_their_weight_average(cli, tmp_path):

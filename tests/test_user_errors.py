@@ -413,6 +413,7 @@ def test_from_tuning_odd_study_directories(main, tmp_path):
     ("ensemble", ["--cycles", "1", "--cycle-epochs", "nan"], "--cycle-epochs is nan"),
     ("ensemble", ["--cycles", "1", "--collapse-epochs", "inf"], "--collapse-epochs is inf"),
     ("ensemble", ["--epochs", "inf"], "--epochs is inf"),
+    ("ensemble", ["--cycles", "1000000000"], "leaves 0 of the"),   # not "leaves -4e+09"
     ("ensemble", ["--batch", "0"], "--batch is 0; give a positive global batch"),
     ("batch-control", ["--start-batch", "0"], "--start-batch is 0"),
     ("batch-control", ["--switch-epochs", "0.5"], "--switch-epochs is 0.5; give a whole number of epochs"),

@@ -118,6 +118,18 @@ def read_study(path: Path, kind: str) -> dict:
     return data
 
 
+def check_out(out: Path) -> None:
+    """--out, in a dry run too (which writes nothing, but must not promise a study that cannot start): a
+    directory, or a path where one can be made."""
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"--out {out}: {probe} is a file, not a directory; move it or give another --out.")
+    if not os.access(probe, os.W_OK):
+        raise UserError(f"--out {out}: {probe} is not writable; give another --out.")
+
+
 def stored_settings(path: Path) -> dict:
     """OUT/study_settings.json of a study being resumed; unreadable (e.g. cut short) is one sentence."""
     try:
@@ -529,6 +541,7 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    check_out(args.out)
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,

@@ -77,8 +77,10 @@ def variants(kind: str, args) -> dict[str, list[str]]:
                   *[(flag, v, 0 < v < math.inf, "a positive number of epochs") for flag, v in epochs])
     base = args.epochs - args.cycles * args.cycle_epochs
     if base <= args.collapse_epochs:
-        raise UserError(f"--cycles {args.cycles} x --cycle-epochs {args.cycle_epochs:g} leaves {base:g} of the "
-                        f"{args.epochs:g} epochs for the base schedule; it needs more than --collapse-epochs.")
+        raise UserError(f"--cycles {args.cycles} x --cycle-epochs {args.cycle_epochs:g} leaves "
+                        f"{max(base, 0.0):g} of the {args.epochs:g} epochs for the base schedule, which needs more "
+                        f"than --collapse-epochs ({args.collapse_epochs:g}); give fewer or shorter cycles, or more "
+                        "--epochs.")
     return {"single": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
                                 "batch.phases=[]", "ensemble.cycles=0"],
             "ensemble": common + [f"schedule.epochs={base:g}", f"batch.global_batch={args.batch}", "batch.phases=[]",
@@ -268,6 +270,7 @@ def run(kind: str, argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    study.check_out(args.out)
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
