@@ -51,11 +51,12 @@ def set_weight_decay(optimizer: torch.optim.Optimizer, base: list[float], factor
 
 # ---------------------------------------------------------------------------- 3. evaluation
 def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: torch.device, *,
-                precision: str = "fp32", channels_last: bool = False, batch: int = 512
+                precision: str = "fp32", channels_last: bool = False, flip: bool = False, batch: int = 512
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard."""
+    """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard; with `flip`, of
+    the logits averaged over each image and its mirror (train.eval_flip, as the run's own evaluation)."""
     parts = list(scoring.shard_log_probs(model, source, rank, world_size, device, precision=precision,
-                                         channels_last=channels_last, batch=batch))
+                                         channels_last=channels_last, flip=flip, batch=batch))
     if not parts:
         return torch.zeros(0, 0, device=device), torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat([lp for lp, _ in parts]).exp(), torch.cat([y for _, y in parts])
@@ -68,9 +69,11 @@ def _counts(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: int, world_size: int,
                        device: torch.device, *, precision: str = "fp32", channels_last: bool = False,
-                       batch: int = 512, swa_source=None, swa_batches: list | None = None) -> dict:
+                       flip: bool = False, batch: int = 512, swa_source=None, swa_batches: list | None = None
+                       ) -> dict:
     """Step 3 (and 4 with `swa_source`): every snapshot, their softmax-average ensemble and
-    optionally the BN-recomputed weight average. All ranks call it; results are global.
+    optionally the BN-recomputed weight average. All ranks call it; results are global. `flip` scores every
+    member as the run's own evaluation does (train.eval_flip), so the ensemble compares with a single model.
 
     `states` are model state dicts; `model` is a module of the same architecture (not modified).
     """
@@ -82,7 +85,7 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
     for state in states:
         work.load_state_dict(state)
         probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
-                                    channels_last=channels_last, batch=batch)
+                                    channels_last=channels_last, flip=flip, batch=batch)
         rows.append(_counts(probs, labels))
         total = probs if total is None else total.add_(probs)
     assert total is not None and labels is not None   # states is not empty
@@ -92,7 +95,7 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
         recompute_bn(work, swa_source, swa_batches or [], device, channels_last=channels_last, precision=precision,
                      world_size=world_size)
         probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
-                                    channels_last=channels_last, batch=batch)
+                                    channels_last=channels_last, flip=flip, batch=batch)
         rows.append(_counts(probs, labels))
     table = scoring.reduce_rows(torch.stack(rows), world_size)   # one collective for every member's counts
     out: dict[str, Any] = {"snapshots": [scoring.as_metrics(r) for r in table[:len(states)]],
@@ -170,13 +173,13 @@ def report(result: dict, metas: list[dict]) -> dict:
 
 def evaluate_run(model: nn.Module, run_dir: Path, train_source, test_source, info, device: torch.device, *,
                  batch: int, bn_batch: int, seed: int, precision: str, channels_last: bool,
-                 swa: bool) -> tuple[dict, int]:
+                 swa: bool, flip: bool) -> tuple[dict, int]:
     """A run's snapshots, their softmax-average ensemble (and SWA, BN recomputed on training batches of
-    `bn_batch` images), evaluated in batches of `batch`: (the `report` record, the number of snapshots). All
+    `bn_batch` images), evaluated in batches of `batch` (with `flip`: over each image and its mirror): (the `report` record, the number of snapshots). All
     ranks call it."""
     states, metas = load_states(run_dir)
     swa_batches = bn_batches(len(train_source), info.rank, info.world_size, bn_batch, seed) if swa else None
     result = evaluate_snapshots(model, states, test_source, info.rank, info.world_size, device, precision=precision,
-                                channels_last=channels_last, batch=batch,
+                                channels_last=channels_last, flip=flip, batch=batch,
                                 swa_source=train_source if swa else None, swa_batches=swa_batches)
     return report(result, metas), len(states)

@@ -292,7 +292,8 @@ class Trainer:
             self.model, self.run_dir, self.train_data, self.test_data, self.info, self.device,
             batch=max(256, self.plan.phases[-1].micro_batch), bn_batch=self.plan.phases[-1].micro_batch,
             seed=self.cfg.train.seed,
-            precision=self.cfg.train.precision, channels_last=self.channels_last, swa=self.cfg.ensemble.swa)
+            precision=self.cfg.train.precision, channels_last=self.channels_last, swa=self.cfg.ensemble.swa,
+            flip=self.cfg.train.eval_flip)
         self.metrics.write({"kind": "ensemble", "step": self.step, **rec})
         if self.main and not self.quiet:
             self.display.message(f"ensemble of {count} snapshots: top-1 {rec['ensemble_top1']:.4f} "

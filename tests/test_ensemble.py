@@ -33,8 +33,9 @@ def _snapshots(cfg, info, n=3):
     return model, states
 
 
-def _hand(cfg, states, test):
-    """Softmax of every member on every test image, averaged; top-1 by argmax, NLL of the average."""
+def _hand(cfg, states, test, flip=False):
+    """Softmax of every member on every test image (with `flip`: of the logits averaged over the image and its
+    mirror), averaged; top-1 by argmax, NLL of the average."""
     x, y = next(test.batches([torch.arange(len(test))], train=False, epoch=0))
     probs = []
     for st in states:
@@ -42,7 +43,8 @@ def _hand(cfg, states, test):
         m.load_state_dict(st)
         m.eval()
         with torch.no_grad():
-            probs.append(m(x).softmax(1))
+            logits = (m(x) + m(x.flip(3))) / 2 if flip else m(x)
+            probs.append(logits.softmax(1))
     avg = torch.stack(probs).mean(0)
     member_top1 = [(p.argmax(1) == y).double().mean().item() for p in probs]
     return member_top1, (avg.argmax(1) == y).double().mean().item(), -avg[torch.arange(len(y)), y].log().mean().item()
@@ -63,6 +65,21 @@ def test_ensemble_equals_hand_computed_softmax_average():
     assert got["ensemble"]["loss"] == pytest.approx(ens_nll, rel=1e-5)
     assert got["ensemble"]["count"] == len(test) == 32
     assert len({*members, ens_top1}) > 1   # the members really differ, so the average is a real test
+
+
+def test_with_eval_flip_every_member_is_scored_as_the_runs_own_evaluation():
+    """train.eval_flip scores a single model over each image and its mirror; the snapshots, their ensemble and
+    the weight average must be scored the same way, or the ensemble study compares unlike with unlike."""
+    cfg = _tiny_cfg()
+    _, test, info = build_data(cfg.data, cfg.train.seed)
+    model, states = _snapshots(cfg, info)
+    got = ensemble.evaluate_snapshots(model, states, test, 0, 1, torch.device("cpu"), flip=True, batch=7)
+    members, ens_top1, ens_nll = _hand(cfg, states, test, flip=True)
+    assert [s["top1"] for s in got["snapshots"]] == pytest.approx(members, abs=1e-12)
+    assert got["ensemble"]["top1"] == pytest.approx(ens_top1, abs=1e-12)
+    assert got["ensemble"]["loss"] == pytest.approx(ens_nll, rel=1e-5)
+    plain = ensemble.evaluate_snapshots(model, states, test, 0, 1, torch.device("cpu"), batch=7)
+    assert plain["ensemble"]["loss"] != pytest.approx(got["ensemble"]["loss"], rel=1e-5)   # the mirror counts
 
 
 def test_evaluate_cli_two_processes(tmp_path, cli):

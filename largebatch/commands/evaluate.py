@@ -73,7 +73,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     if use_ensemble:
         rec, _ = ensemble.evaluate_run(model, run_dir, train, test, info, device, batch=batch, bn_batch=batch,
                                        seed=cfg.train.seed, precision=cfg.train.precision,
-                                       channels_last=channels_last, swa=swa)
+                                       channels_last=channels_last, swa=swa, flip=cfg.train.eval_flip)
         out.update(rec)
     else:
         if checkpoint_path is None:
