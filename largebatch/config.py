@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,9 @@ class DataConfig(Section):
             raise UserError(f"data.min_scale is {self.min_scale}; it must be in (0, 1].")
         if self.num_classes < 2:
             raise UserError(f"data.num_classes is {self.num_classes}; a classifier needs 2 or more classes.")
+        if self.num_classes > MAX_CLASSES:
+            raise UserError(f"data.num_classes is {self.num_classes}; give at most {MAX_CLASSES:,} classes "
+                            "(the classifier head is num_classes x features weights).")
         for i, phase in enumerate(self.resolution_phases):
             if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
                 raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
@@ -105,6 +109,7 @@ class DataConfig(Section):
                 raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
             if isinstance(size, bool) or not isinstance(size, int) or size < 4:
                 raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
+        _check_distinct_starts("data.resolution_phases", self.resolution_phases)
 
 
 @dataclass
@@ -132,6 +137,7 @@ class BatchConfig(Section):
                                    "a positive number or leave it out")):
                 if not ok:
                     raise UserError(f"batch.phases[{i}].{key} is {phase[key]!r}; give {need}.")
+        _check_distinct_starts("batch.phases", self.phases)
 
 
 @dataclass
@@ -152,6 +158,9 @@ class OptimConfig(Section):
         super().validate()
         if not 0 <= self.momentum < 1:
             raise UserError(f"optim.momentum is {self.momentum}; it must be in [0, 1).")
+        if self.weight_decay >= 1:
+            raise UserError(f"optim.weight_decay is {self.weight_decay}; give a value in [0, 1) (typical: 5e-5 to 5e-4; "
+                            "0.01 for LAMB).")
         if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
             raise UserError(f"optim.betas is {self.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
 
@@ -163,15 +172,18 @@ class ScheduleConfig(Section):
     warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal)")
     decay: str = _choices("cosine", "step", "poly", "constant", doc="decay after warm-up")
     milestones: list = _doc([30, 60, 80], "epochs at which step decay multiplies the lr by gamma")
-    gamma: float = _doc(0.1, "step decay factor")
+    gamma: float = _doc(0.1, "step decay factor, in (0, 1]")
     power: float = _doc(2.0, "poly decay power (LARS uses 2)")
-    end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay")
+    end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay (at most the peak lr)")
 
     def validate(self) -> None:
         super().validate()
         if self.warmup_epochs > self.epochs:
             raise UserError(f"schedule.warmup_epochs ({self.warmup_epochs}) is longer than schedule.epochs "
                             f"({self.epochs}); shorten the warm-up or train longer.")
+        if self.gamma > 1:
+            raise UserError(f"schedule.gamma is {self.gamma}; step decay multiplies the lr by gamma at each milestone, "
+                            "so give a factor in (0, 1], e.g. 0.1.")
         bad = [m for m in self.milestones if not _is_number(m) or m < 0]
         if bad:
             raise UserError(f"schedule.milestones has {bad[0]!r}; give a list of epochs >= 0, e.g. [30, 60, 80].")
@@ -206,6 +218,12 @@ class TrainConfig(Section):
             raise UserError(f"train.label_smoothing is {self.label_smoothing}; it must be in [0, 1).")
         if self.ema is not None and not 0 < self.ema < 1:
             raise UserError(f"train.ema is {self.ema}; it must be in (0, 1) or null.")
+        cores = os.cpu_count() or 1
+        most = max(64, THREADS_PER_CORE * cores)   # like --nproc-per-node (launch.check_worker_count)
+        if self.threads is not None and self.threads > most:
+            raise UserError(f"train.threads is {self.threads}; this host has {cores} cores, so give at most {most} "
+                            f"threads per worker ({THREADS_PER_CORE} per core, 64 at least), or null for cores / "
+                            "local workers.")
 
 
 @dataclass
@@ -223,12 +241,16 @@ class CommConfig(Section):
     inter: Optional[str] = _doc(None, "hierarchical: cross-node all-reduce, halving_doubling (default), ring or native")
     small_bytes: Optional[int] = _doc(None, "p2p algorithms: buckets below this many bytes use native "
                                             "(default 256 KiB, 0 = off)")
-    timeout_s: float = _doc(600.0, "collective timeout; when it fires the error names the missing ranks")
+    timeout_s: float = _doc(600.0, "collective timeout in seconds (1 to a week); when it fires the error names the "
+                                    "missing ranks")
 
     def validate(self) -> None:
         """Also the checks the comm hook makes (`comm.dispatch.resolve`), so that a run of any world size, and
         --dry-run, refuses an option the algorithm does not read; the layout that needs the world size waits."""
         super().validate()
+        if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise UserError(f"comm.timeout_s is {self.timeout_s:g}; give {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds "
+                            "(a week; default 600), since no collective completes in under a second.")
         from largebatch.comm.dispatch import OPTIONS, resolve
 
         options = {k: getattr(self, k) for k in ("grid", "pipeline", "impl", "local_size", "inter", "small_bytes")}
@@ -249,6 +271,11 @@ class EnsembleConfig(Section):
     collapse_epochs: float = _doc(1.0, "collapse: augmentation off, weight decay x factor, lr poly-2 to zero")
     collapse_wd_factor: float = _doc(2.0, "weight-decay multiplier during a collapse")
     swa: bool = _doc(False, "also report the weight average of the snapshots (BN statistics recomputed)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.cycles > MAX_CYCLES:   # before the plan, which builds a segment per cycle
+            raise UserError(f"ensemble.cycles is {self.cycles}; give at most {MAX_CYCLES} cycles (0 = off).")
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -467,6 +494,42 @@ NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay"
                 "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")
 
 
+# Upper bounds of `validate`: sizes beyond them are mistakes (a misplaced exponent), not experiments.
+MAX_CLASSES = 1_000_000        # data.num_classes
+THREADS_PER_CORE = 8           # train.threads, per core of this host (64 at least)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0   # comm.timeout_s
+MAX_CYCLES = 1000              # ensemble.cycles
+
+
+def _check_distinct_starts(where: str, phases: list) -> None:
+    """Phases take effect in start_epoch order (listed in any order); two with one start_epoch are ambiguous."""
+    seen: dict[Any, int] = {}
+    for i, phase in enumerate(phases):
+        start = phase["start_epoch"]
+        if start in seen:
+            raise UserError(f"{where}[{i}].start_epoch is {start!r}, the same as {where}[{seen[start]}]'s; "
+                            "phases need strictly increasing start epochs, so give each phase its own.")
+        seen[start] = i
+
+
+def _check_end_lr(cfg: "Config") -> None:
+    """schedule.end_lr is where poly/cosine decay ends: not above the peak lr of any batch phase (the peak
+    lr is optim.lr scaled to the phase's global batch, or the phase's own lr), or the decay would raise it."""
+    from largebatch.schedule import scaled_lr
+
+    s, o = cfg.schedule, cfg.optim
+    if s.decay not in ("poly", "cosine"):
+        return
+    phases = cfg.batch.phases or [{"global_batch": cfg.batch.global_batch}]
+    peak = min(p["lr"] if p.get("lr") is not None else
+               scaled_lr(o.lr, p["global_batch"], o.reference_batch, o.scaling_rule) for p in phases)
+    which = "the smallest of batch.phases" if cfg.batch.phases else \
+        f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
+    if s.end_lr > peak:
+        raise UserError(f"schedule.end_lr is {s.end_lr:g}, above the peak lr of {peak:g} ({which}), so the {s.decay} "
+                        f"decay would raise the lr; give at most {peak:g} (0 decays to zero).")
+
+
 def _check_sign(where: str, value: float | None, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -476,9 +539,10 @@ def _check_sign(where: str, value: float | None, allow_zero: bool = False) -> No
 
 
 def validate(cfg: Config) -> None:
-    """Every section's `validate()`, in the order of SECTIONS."""
+    """Every section's `validate()`, in the order of SECTIONS, then the checks that span sections."""
     for name in SECTIONS:
         getattr(cfg, name).validate()
+    _check_end_lr(cfg)
 
 
 def save(cfg: Config, path: Path) -> None:

@@ -62,9 +62,52 @@ def _expect(result, *fragments):
     ("train.max_nonfinite=-1", "train.max_nonfinite is -1"),
     ("data.image_size=100000", "do not fit in memory at data.image_size=100000"),   # were allocator tracebacks
     ("data.crop_padding=100000", "data.crop_padding=100000; give smaller values"),
+    ("schedule.gamma=5", "schedule.gamma is 5.0; step decay multiplies the lr by gamma"),   # would raise the lr
+    ("schedule.end_lr=1.5", "schedule.end_lr is 1.5, above the peak lr of 1 (optim.lr 0.5 scaled to the global batch"),
+    ("comm.timeout_s=1e-7", "comm.timeout_s is 1e-07; give 1 to 604800 seconds"),
+    ("comm.timeout_s=1e20", "comm.timeout_s is 1e+20"),   # was an OverflowError in timedelta at the first collective
+    ("optim.weight_decay=1e300", "optim.weight_decay is 1e+300; give a value in [0, 1)"),
+    ("optim.weight_decay=1", "optim.weight_decay is 1.0"),
+    ("data.num_classes=100000000000", "data.num_classes is 100000000000; give at most 1,000,000 classes"),
+    ("ensemble.cycles=1001", "ensemble.cycles is 1001; give at most 1000 cycles"),
 ])
 def test_out_of_range_numbers(main, override, fragment):
     _expect(main("train", "--set", override, "--dry-run"), fragment)
+
+
+def test_bounds_admit_their_edges(main):
+    """gamma 1 (no decay), end_lr at the peak lr (flat), a 1 s timeout and 8 threads per core are allowed."""
+    code, err = main("train", "--set", "schedule.decay=step", "--set", "schedule.gamma=1", "--set", "schedule.end_lr=1",
+                     "--set", "comm.timeout_s=1", "--set", "train.threads=1", "--dry-run")
+    assert code == 0, err
+    code, err = main("train", "--set", "schedule.decay=poly", "--set", "schedule.end_lr=1", "--dry-run")
+    assert code == 0, err
+    # with batch phases the smallest peak lr bounds end_lr (the sony recipe's phases: 0.4 and up)
+    _expect(main("train", "fashion_mnist_sony_batch_control", "--set", "schedule.end_lr=0.5", "--dry-run"),
+            "schedule.end_lr is 0.5, above the peak lr of 0.4 (the smallest of batch.phases)")
+
+
+def test_threads_are_bounded_by_the_host(main, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    _expect(main("train", "--set", "train.threads=100000", "--dry-run"),
+            "train.threads is 100000; this host has 16 cores, so give at most 128 threads per worker (8 per core")
+    assert main("train", "--set", "train.threads=128", "--dry-run")[0] == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _expect(main("train", "--set", "train.threads=65", "--dry-run"), "this host has 2 cores, so give at most 64")
+
+
+def test_ensemble_cycles_are_checked_before_the_plan(main, monkeypatch):
+    """ensemble.cycles=100000000 built a segment per cycle for minutes (and gigabytes) in --dry-run."""
+    from largebatch.schedule import Plan
+
+    def no_segments(self):
+        raise AssertionError("the plan's segments were built")
+
+    monkeypatch.setattr(Plan, "_segments", no_segments)
+    _expect(main("train", "--set", "ensemble.cycles=100000000", "--dry-run"),
+            "ensemble.cycles is 100000000; give at most 1000 cycles (0 = off).")
 
 
 def test_yaml_1_1_exponent_floats_are_numbers(main, capsys):
@@ -114,6 +157,13 @@ def test_help_texts(capsys):
     with pytest.raises(SystemExit):
         cli_mod.main(["bench", "speedrun", "--help"])
     assert "compared with." in " ".join(capsys.readouterr().out.split())   # the whole sentence
+    with pytest.raises(SystemExit):
+        cli_mod.main(["bench", "allreduce", "--help"])
+    block = capsys.readouterr().out.split("  --compression", 1)[1].split("\n  --")[0]
+    assert len(block.split()) > 2, "--compression has no help text"
+    with pytest.raises(SystemExit):
+        cli_mod.main(["cluster", "run", "--help"])
+    assert "-- COMMAND" in capsys.readouterr().out.split("\n\n")[0]   # the usage shows the command after --
 
 
 def test_one_constraint_at_a_time(main):
@@ -127,6 +177,9 @@ def test_plan_numbers(main):
     _expect(main("plan", "--devices", "0"), "--devices is 0")
     _expect(main("plan", "--epochs", "0"), "--epochs is 0.0")
     _expect(main("plan", "--devices-per-node", "6", "--sweep", "devices=8:4096"), "no device count")
+    _expect(main("plan", "--torus-x", "3", "--devices", "8"),   # was silently ignored
+            "--torus-x 3 is the torus2d row length, but --algorithm is native; add --algorithm torus2d")
+    _expect(main("plan", "--torus-x", "2", "--sweep", "devices=8:16"), "--torus-x 2 does not apply to --sweep")
 
 
 # ------------------------------------------------------------------ paths the user gave
@@ -287,6 +340,10 @@ def test_plan_refuses_a_global_batch_larger_than_the_dataset(main):
      "batch.phases[1].start_epoch is 'a'; give a whole number"),
     ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: .nan}]", "batch.phases[0].lr is nan; give a positive"),
     ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: true}]", "batch.phases[0].lr is True"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64}, {start_epoch: 0, global_batch: 32}]",
+     "batch.phases[1].start_epoch is 0, the same as batch.phases[0]'s; phases need strictly increasing start epochs"),
+    ("data.resolution_phases=[{start_epoch: 1, image_size: 16}, {start_epoch: 1, image_size: 20}]",
+     "data.resolution_phases[1].start_epoch is 1, the same as data.resolution_phases[0]'s"),   # one silently won
     ("train.seed=99999999999999999999", "train.seed is 99999999999999999999; give a number below 2**63"),
     ("model.width=99999999999999999999", "model.width is 99999999999999999999"),
     ("model.name=resnet", "model.name is 'resnet' (did you mean"),
@@ -300,6 +357,13 @@ def test_list_items_names_and_comm_options_are_checked_when_the_recipe_loads(mai
 
 
 def test_comm_values_are_checked_without_workers(main):
+    # the layout a run checks when its hook starts, --dry-run checks for the world size it plans
+    _expect(main("train", "--set", "comm.algorithm=torus2d", "--set", "comm.grid=2x2", "--world-size", "8", "--dry-run"),
+            "comm.grid is 2x2 (4 positions) but --world-size is 8; give a grid XxY with X*Y = 8, e.g. comm.grid=4x2.")
+    _expect(main("train", "--set", "comm.algorithm=hierarchical", "--set", "comm.local_size=3", "--world-size", "8",
+                 "--dry-run"), "comm.local_size is 3, which does not divide --world-size 8")
+    assert main("train", "--set", "comm.algorithm=torus2d", "--set", "comm.grid=2x4", "--world-size", "8",
+                "--dry-run")[0] == 0
     _expect(main("train", "--set", "comm.algorithm=torus2d", "--set", "comm.grid=abc", "--dry-run"),
             "torus2d grid 'abc' is not of the form XxY")
     _expect(main("train", "--set", "comm.algorithm=hierarchical", "--set", "comm.inter=bogus", "--dry-run"),
@@ -468,6 +532,22 @@ def test_bench_numbers(main, args, fragment):
     """Each used to give a traceback (a zero-size JPEG, sleep(nan), torch.device('tpu'), a division by zero
     --steps on every worker), or to run the whole benchmark on a meaningless value (--rounds 0, --lr inf)."""
     _expect(main(*args), fragment)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--image-size", "0"], ["--image-size is 0; give 1 or more pixels."]),
+    (["--model", "foo"], ["--model is 'foo'; choose one of: resnet18"]),
+    (["--model", "speedrun", "--image-size", "4"], ["cannot take 4x4-pixel images", "give a larger --image-size."]),
+])
+def test_bench_scaling_checks_its_flags_before_any_run(main, monkeypatch, args, fragments):
+    """Each was found by the first worker run and reported as the config key (data.image_size, model.name)."""
+    from largebatch.commands.bench import scaling
+
+    def no_run(*_):
+        raise AssertionError("a training run started")
+
+    monkeypatch.setattr(scaling, "run_training", no_run)
+    _expect(main("bench", "scaling", *args), *fragments)
 
 
 def test_chaos_delay_and_tolerance(main, tmp_path):

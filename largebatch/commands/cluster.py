@@ -132,6 +132,7 @@ def parse_args(argv: list[str]) -> ClusterSpec:
     p.add_argument("--exec", dest="exec_mode", action="store_true",
                    help="the command after -- is any program run under torchrun --no-python "
                         "(a leading 'python' means this interpreter) instead of a largebatch command")
+    p.usage = p.format_usage().removeprefix("usage: ").strip() + " -- COMMAND [ARG ...]"   # the command after --
     a = p.parse_args(own)
     if not 1 <= a.nodes <= MAX_NODES:
         raise UserError(f"--nodes {a.nodes} is out of range; give 1 to {MAX_NODES}.")

@@ -196,6 +196,12 @@ def _validate(args) -> None:
             raise UserError(f"{flag} is {value}; give a {'non-negative' if zero_ok else 'positive'} finite number.")
     if args.torus_x is not None and args.torus_x < 1:
         raise UserError(f"--torus-x is {args.torus_x}; give a divisor of --devices.")
+    if args.torus_x is not None and args.algorithm != "torus2d" and not args.sweep:
+        raise UserError(f"--torus-x {args.torus_x} is the torus2d row length, but --algorithm is {args.algorithm}; "
+                        "add --algorithm torus2d or drop --torus-x.")
+    if args.torus_x is not None and args.sweep:
+        raise UserError(f"--torus-x {args.torus_x} does not apply to --sweep, which picks the cheapest row length "
+                        "for each device count; drop --torus-x.")
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ torch's elastic launcher, rendezvous bound to loopback) run the same code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -45,9 +46,28 @@ def _latest_run(recipe: str) -> Path | None:
     return runs[-1] if runs else None
 
 
-def dry_run(cfg: config_mod.Config, world_size: int) -> dict:
+def check_comm_layout(comm: config_mod.CommConfig, world_size: int, where: str = "the world size") -> None:
+    """The layout checks a run makes when its comm hook starts on more than one worker, for --dry-run: a
+    comm.grid of X*Y = world size, a comm.local_size that divides it (`where` names where the size came from)."""
+    if world_size < 2:
+        return   # one worker: no hook, nothing to lay out
+    if comm.algorithm == "torus2d" and comm.grid is not None:
+        from largebatch.comm.topology import parse_grid
+
+        x, y = parse_grid(comm.grid)
+        if x * y != world_size:
+            rows = max(d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0)
+            raise UserError(f"comm.grid is {comm.grid} ({x * y} positions) but {where} is {world_size}; give a grid "
+                            f"XxY with X*Y = {world_size}, e.g. comm.grid={world_size // rows}x{rows}.")
+    if comm.algorithm == "hierarchical" and comm.local_size is not None and world_size % comm.local_size:
+        raise UserError(f"comm.local_size is {comm.local_size}, which does not divide {where} {world_size} into "
+                        f"equal nodes; give a local_size that divides {world_size}.")
+
+
+def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world size") -> dict:
     from largebatch.schedule import Plan
 
+    check_comm_layout(cfg.comm, world_size, where)
     train_size = _train_size(cfg)
     plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size,
                 ensemble_cfg=cfg.ensemble)
@@ -174,7 +194,9 @@ def main(argv: list[str]) -> int:
             args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1")))
         if world < 1:
             raise UserError(f"--world-size is {world}; give 1 or more workers.")
-        plan = dry_run(cfg, world)
+        where = ("--world-size" if args.world_size is not None else
+                 "--nproc-per-node" if args.nproc_per_node else "the world size (WORLD_SIZE)")
+        plan = dry_run(cfg, world, where)
         if os.environ.get("RANK", "0") == "0":
             print_plan(plan)
             print(json.dumps(plan))

@@ -35,6 +35,16 @@ def _check_input_size(net: nn.Module, name: str, in_channels: int, size: int, ke
         net.train()
 
 
+def check_input_size(name: str, size: int, key: str, *, in_channels: int = 3, stem: str = "small") -> None:
+    """Whether model `name` takes `size`-pixel images, before any run: a narrow net (the spatial reductions do not
+    depend on the width) on the meta device (shapes only, no memory); the same sentence as a run's, naming `key`."""
+    from largebatch.models import build_model
+
+    with torch.device("meta"):
+        net = build_model(name, num_classes=10, in_channels=in_channels, stem=stem, width=4)
+        _check_input_size(net, name, in_channels, size, key)
+
+
 def build_classifier(cfg: Config, info, device: torch.device | None = None, channels_last: bool = False
                      ) -> Classifier:
     """The configured net behind the data set's normalization, on `device`, in channels-last memory if asked."""

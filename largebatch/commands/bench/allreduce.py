@@ -95,7 +95,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
                     help="algorithms to run (native is always added as the reference); torus2d:native and "
                          "hierarchical:native run the backend-composed implementation")
-    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
+                    help="wire format of the reduced tensors (fp16/bf16 halve the bytes sent; default none)")
     ap.add_argument("--sizes", default="4KB:64MB", help="LO:HI[:FACTOR] or a comma list (bytes, KB, MB, GB)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")

@@ -91,7 +91,15 @@ def main(argv: list[str]) -> int:
     check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),
                   *((f"--{name.replace('_', '-')}", getattr(args, name), getattr(args, name) >= 1, "1 or more")
                     for name in ("per_worker_batch", "steps", "threads", "repeats", "width")),
+                  ("--image-size", args.image_size, args.image_size >= 1, "1 or more pixels"),
                   ("--timeout", args.timeout, 0 < args.timeout < math.inf, "a positive number of seconds"))
+    from largebatch.models import MODELS
+    from largebatch.models.classifier import check_input_size
+
+    if args.model not in MODELS:
+        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
+    # before any worker starts: the model takes --image-size (the runs' model.stem is auto: small up to 64 px)
+    check_input_size(args.model, args.image_size, "--image-size", stem="small" if args.image_size <= 64 else "imagenet")
     check_output_file("--json", args.json)
 
     single: list[float] = []
