@@ -115,19 +115,20 @@ def check_numbers(*checks: tuple[str, float, bool, str]) -> None:
             raise UserError(f"{flag} is {value}; give {need}.")
 
 
-def check_output_file(flag: str, path: str | Path | None) -> None:
-    """Before any work: the file `path` that a command writes at its end can be written there (not a
-    directory; its folder exists or can be made, and is writable), so a bad path does not cost the run."""
+def check_output_path(flag: str, path: str | Path | None, directory: bool = False) -> None:
+    """Before any work, in a dry run too: the file (or, with `directory`, the directory) `path` that a
+    command writes can be made there, so a bad path neither costs the run nor is promised by a dry run.
+    Creates nothing: the nearest existing folder above it must be a writable directory."""
     if not path:
         return
     path = Path(path)
-    if path.is_dir():
+    if not directory and path.is_dir():
         raise UserError(f"{flag} {path} is a directory; give a file path.")
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"{flag} {path}: cannot create {folder} ({err.strerror}); give a path in a "
-                        "writable directory.") from None
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"{flag} {path}: {folder} is not writable; give a path in a writable directory.")
+    folder = path if directory else path.parent
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{flag} {path}: {probe} is a file, not a directory; move it or give another {flag}.")
+    if not os.access(probe, os.W_OK):
+        raise UserError(f"{flag} {path}: {probe} is not writable; give a path in a writable directory.")

@@ -43,7 +43,7 @@ def test_user_errors_name_the_problem() -> None:
     with pytest.raises(UserError, match="XxY"):
         resolve_grid("2by3", 6)
     assert resolve_grid("3x2", 6) == (3, 2)
-    with pytest.raises(UserError, match="local_size=4"):
+    with pytest.raises(UserError, match="comm.local_size is 4, which does not divide the group size 6"):
         resolve_local_size(4, 6)
     assert comm.resolve("ring", {"grid": None}).algorithm == "ring"   # None = unset (config passes all fields)
 

@@ -188,7 +188,7 @@ def test_os_errors_on_user_paths_are_one_sentence(main, tmp_path):
     a_file.write_text("x")
     _expect(main("plan", "--sweep", "devices=8:16", "--out", a_file / "plots"), "cannot use", str(a_file))
     _expect(main("bench", "allreduce", "--nproc", "2", "--json", a_file / "x.json", "--sizes", "1KB",
-                 "--algorithms", "native", "--rounds", "1", "--small-bytes", "0"), "--json", "cannot create")
+                 "--algorithms", "native", "--rounds", "1", "--small-bytes", "0"), "--json", "is a file, not a directory")
 
 
 def test_data_roots(main, tmp_path):
@@ -567,7 +567,7 @@ def test_output_files_are_checked_before_measuring(main, tmp_path):
     for command in (["bench", "train", *tiny_train], ["bench", "data", "--images", "64", "--no-memory"],
                     ["bench", "scaling"], ["bench", "speedrun", "--budget", "1", "--epochs", "1"]):
         _expect(main(*command, "--json", tmp_path), "--json", "is a directory; give a file path")
-        _expect(main(*command, "--json", a_file / "x.json"), "--json", f"cannot create {a_file}")
+        _expect(main(*command, "--json", a_file / "x.json"), "--json", f"{a_file} is a file, not a directory")
     _expect(main("plan", "--calibrate", "--catalog-out", tmp_path), "--catalog-out", "is a directory")
     assert a_file.read_text() == "x"
 

@@ -8,6 +8,7 @@ layout (``LOCAL_WORLD_SIZE`` processes on node ``GROUP_RANK``).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Optional
@@ -29,8 +30,9 @@ def parse_grid(grid: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def resolve_grid(grid: Optional[str], world: int) -> tuple[int, int]:
-    """The (X, Y) grid for ``world`` ranks: the option, or processes per node x nodes."""
+def resolve_grid(grid: Optional[str], world: int, where: str = "the group size") -> tuple[int, int]:
+    """The (X, Y) grid for ``world`` ranks: the option, or processes per node x nodes (``where`` names where
+    ``world`` came from, for the message)."""
     if grid is None:
         x = local_world_size(world)
         if x < 1 or world % x:
@@ -39,8 +41,9 @@ def resolve_grid(grid: Optional[str], world: int) -> tuple[int, int]:
         return x, world // x
     x, y = parse_grid(grid)
     if x * y != world:
-        raise UserError(f"torus2d grid {grid} has {x * y} positions but the group has {world} ranks; "
-                        f"choose X and Y with X*Y = {world} (e.g. {world}x1).")
+        rows = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
+        raise UserError(f"comm.grid is {grid} ({x * y} positions) but {where} is {world}; give a grid XxY with "
+                        f"X*Y = {world}, e.g. comm.grid={world // rows}x{rows}.")
     return x, y
 
 
@@ -54,12 +57,14 @@ def grid_cols(x: int, y: int) -> list[list[int]]:
     return [[row * x + c for row in range(y)] for c in range(x)]
 
 
-def resolve_local_size(local_size: Optional[int], world: int) -> int:
-    """Processes per node for `hierarchical`: the option, or LOCAL_WORLD_SIZE."""
+def resolve_local_size(local_size: Optional[int], world: int, where: str = "the group size") -> int:
+    """Processes per node for `hierarchical`: the option, or LOCAL_WORLD_SIZE (``where`` names where ``world``
+    came from, for the message)."""
     k = local_world_size(world) if local_size is None else local_size
     if not isinstance(k, int) or isinstance(k, bool) or k < 1 or world % k:
-        raise UserError(f"hierarchical local_size={k!r} does not divide the {world} ranks into equal nodes; "
-                        f"give a local_size that divides {world} (or launch with torchrun --nproc-per-node).")
+        name = "LOCAL_WORLD_SIZE" if local_size is None else "comm.local_size"
+        raise UserError(f"{name} is {k!r}, which does not divide {where} {world} into equal nodes; give a "
+                        f"comm.local_size that divides {world} (or launch with torchrun --nproc-per-node).")
     return k
 
 

@@ -222,12 +222,12 @@ def main(argv: list[str]) -> int:
         print("stacks:     " + ", ".join(described(n) for n in stack_names()))
         return 0
     if args.calibrate:
-        from largebatch.cli import check_output_file
+        from largebatch.cli import check_output_path
         from largebatch.perf import calibrate
         from largebatch.perf.catalog import read_user_catalog, user_catalog_path
 
         out = Path(args.catalog_out) if args.catalog_out else user_catalog_path()
-        check_output_file("--catalog-out", out)   # before measuring: a bad path or file must not cost the run
+        check_output_path("--catalog-out", out)   # before measuring: a bad path or file must not cost the run
         read_user_catalog(out)
         entries = calibrate.measure(args.model, args.image_size, args.in_channels, args.num_classes, args.stem,
                                     args.width, args.precision, args.nproc)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from largebatch import rundir
-from largebatch.cli import ArgumentParser, check_numbers
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.errors import UserError
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
@@ -116,18 +116,6 @@ def read_study(path: Path, kind: str) -> dict:
         raise UserError(f"--from-tuning: {path} is from study {data.get('kind', 'batch-scaling')}, not study {kind}; "
                         f"give the --out of a study {kind} tuning run.")
     return data
-
-
-def check_out(out: Path) -> None:
-    """--out, in a dry run too (which writes nothing, but must not promise a study that cannot start): a
-    directory, or a path where one can be made."""
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"--out {out}: {probe} is a file, not a directory; move it or give another --out.")
-    if not os.access(probe, os.W_OK):
-        raise UserError(f"--out {out}: {probe} is not writable; give another --out.")
 
 
 def stored_settings(path: Path) -> dict:
@@ -541,7 +529,7 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    check_out(args.out)
+    check_output_path("--out", args.out, directory=True)
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 from largebatch.commands import study
-from largebatch.cli import ArgumentParser, check_numbers
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.errors import UserError
 
 
@@ -270,7 +270,7 @@ def run(kind: str, argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    study.check_out(args.out)
+    check_output_path("--out", args.out, directory=True)
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}

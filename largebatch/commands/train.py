@@ -8,7 +8,6 @@ torch's elastic launcher, rendezvous bound to loopback) run the same code.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -48,20 +47,16 @@ def _latest_run(recipe: str) -> Path | None:
 
 def check_comm_layout(comm: config_mod.CommConfig, world_size: int, where: str = "the world size") -> None:
     """The layout checks a run makes when its comm hook starts on more than one worker, for --dry-run: a
-    comm.grid of X*Y = world size, a comm.local_size that divides it (`where` names where the size came from)."""
+    comm.grid of X*Y = world size, a comm.local_size that divides it (`where` names where the size came from).
+    A grid or node size left to LOCAL_WORLD_SIZE is checked by the run, which knows it."""
+    from largebatch.comm.topology import resolve_grid, resolve_local_size
+
     if world_size < 2:
         return   # one worker: no hook, nothing to lay out
     if comm.algorithm == "torus2d" and comm.grid is not None:
-        from largebatch.comm.topology import parse_grid
-
-        x, y = parse_grid(comm.grid)
-        if x * y != world_size:
-            rows = max(d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0)
-            raise UserError(f"comm.grid is {comm.grid} ({x * y} positions) but {where} is {world_size}; give a grid "
-                            f"XxY with X*Y = {world_size}, e.g. comm.grid={world_size // rows}x{rows}.")
-    if comm.algorithm == "hierarchical" and comm.local_size is not None and world_size % comm.local_size:
-        raise UserError(f"comm.local_size is {comm.local_size}, which does not divide {where} {world_size} into "
-                        f"equal nodes; give a local_size that divides {world_size}.")
+        resolve_grid(comm.grid, world_size, where)
+    if comm.algorithm == "hierarchical" and comm.local_size is not None:
+        resolve_local_size(comm.local_size, world_size, where)
 
 
 def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world size") -> dict:

@@ -37,6 +37,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -44,7 +45,7 @@ import torch.distributed as dist
 
 from largebatch import comm
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers, check_output_file
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.perf import measured as cost
 from largebatch.algorithms import ALLREDUCE, TWO_LEVEL
 from largebatch.errors import UserError
@@ -141,7 +142,7 @@ def _validate(args: Any) -> None:
                   ("--bucket-mb", args.bucket_mb, 0 < args.bucket_mb < math.inf, "a positive size in MB"))
     if not _under_torchrun():   # before the workers measure anything: their folder must take files
         for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
-            check_output_file(flag, path)
+            check_output_path(flag, path)
 
 
 def _under_torchrun() -> bool:
@@ -390,6 +391,7 @@ def _write_json(args: Any, payload: dict[str, Any]) -> None:
         return
     payload = {"command": "largebatch bench allreduce " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "allreduce"] else sys.argv[1:]),
                "machine": machine(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "load_average_1_5_15": list(os.getloadavg()), **payload}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(payload, f, indent=1)
 
@@ -414,6 +416,7 @@ def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 

@@ -47,7 +47,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers, check_output_file
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
 
@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
                   ("--width", args.width, args.width >= 1, "1 or more pixels"),
                   ("--height", args.height, args.height >= 1, "1 or more pixels"),
                   ("--min-scale", args.min_scale, 0 < args.min_scale <= 1, "an area fraction in (0, 1]"))
-    check_output_file("--json", args.json)
+    check_output_path("--json", args.json)
     if args.dir is not None:
         _check_bench_dir(args.dir)
 
@@ -343,5 +343,6 @@ def main(argv: list[str]) -> int:
     if idx_rate:
         print(f"  Fashion-MNIST in memory, batched pad-crop + flip (1 thread): {idx_rate:,.0f} images/s")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise UserError(f"--algorithms has {', '.join(bad) or 'nothing'}; choose from {', '.join(ALGORITHMS)}.")
-    from largebatch.cli import check_numbers, check_output_file
+    from largebatch.cli import check_numbers, check_output_path
 
     check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),
                   *((f"--{name.replace('_', '-')}", getattr(args, name), getattr(args, name) >= 1, "1 or more")
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
     # before any worker starts: the model takes --image-size (the runs' model.stem is auto: small up to 64 px)
     check_input_size(args.model, args.image_size, "--image-size", stem="small" if args.image_size <= 64 else "imagenet")
-    check_output_file("--json", args.json)
+    check_output_path("--json", args.json)
 
     single: list[float] = []
     scaled: dict[str, list[float]] = {a: [] for a in algorithms}

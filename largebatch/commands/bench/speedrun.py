@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    from largebatch.cli import check_numbers, check_output_file
+    from largebatch.cli import check_numbers, check_output_path
 
     check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
                   ("--epochs", args.epochs, args.epochs >= 1, "1 or more"),
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
                   ("--lr", args.lr, 0 < args.lr < math.inf, "a positive learning rate"),
                   ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
                   ("--target", args.target, 0 < args.target <= 1, "a top-1 fraction in (0, 1]"))
-    check_output_file("--json", args.json)
+    check_output_path("--json", args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers, check_output_file
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
                   ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
                   ("--image-size", args.image_size, args.image_size >= 8, "8 or more pixels"),
                   ("--peak-size", args.peak_size, args.peak_size >= 16, "16 or more"))
-    check_output_file("--json", args.json)
+    check_output_path("--json", args.json)
     from largebatch.models import MODELS, build_model, count_flops
 
     if args.model not in MODELS:
