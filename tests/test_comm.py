@@ -148,9 +148,10 @@ def _check_ddp(p: int, rank: int) -> None:
 def _check_errors(p: int, rank: int) -> None:
     x = torch.ones(10)
     for call, needle in [
-        (lambda: comm.allreduce(x, "torus2d", grid="3x2"), "grid 3x2"),
+        (lambda: comm.allreduce(x, "torus2d", grid="3x2"), "comm.grid is 3x2 .6 positions. but the group size is"),
         (lambda: comm.allreduce(x, "torus2d", grid="4"), "not of the form"),
-        (lambda: comm.allreduce(x, "hierarchical", local_size=3), "local_size=3"),
+        (lambda: comm.allreduce(x, "hierarchical", local_size=3),
+         "comm.local_size is 3, which does not divide the group size"),
         (lambda: comm.allreduce(x, "ring", grid="2x2"), "do not apply"),
         (lambda: comm.allreduce(x, "hierarchical", pipeline=0), "pipeline=0"),
         (lambda: comm.allreduce(x, "ring", pipeline=2), "do not apply"),
