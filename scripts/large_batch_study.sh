@@ -11,8 +11,8 @@
 # - OUT/tune: 64, 384, 1,536, 3,072 (~ImageNet 1.4K, 8K, 32K, 64K), the same 5 lr values at every batch;
 # - OUT/tune_6144: 6,144 (~128K), 5 values with SGD's shifted 2 octaves down (its optimum at 3,072 was the
 #   grid's lowest value);
-# - OUT/tune_edge_*: 2 more values past the edge where OUT/tune's best sat on it (SGD at 3,072 below,
-#   LARS at 64 and LAMB at 64 and 384 above).
+# - OUT/tune_edge_*: 2 more values past the edge where a tuning's best sat on it (SGD at 3,072 and 6,144
+#   below, LARS at 6,144 below, LARS at 64 and LAMB at 64 and 384 above).
 # Epoch-based settings of the tuning cells are the final ones x 1/3: SGD warm-up 5/90 of the budget and step
 # decay at 30/60/80 of 90 epochs (Goyal et al.), LARS and LAMB warm-up 2 of 24 epochs and poly-2 decay.
 set -euo pipefail
@@ -39,9 +39,10 @@ tune tune_6144 6144 sgd,lars,lamb \
 tune tune_edge_sgd 3072 sgd --lr-grid sgd:0.03125,0.0625
 tune tune_edge_lars 64 lars --lr-grid lars:32,64
 tune tune_edge_lamb 64,384 lamb --lr-grid lamb:0.064,0.128
+tune tune_edge_6144 6144 sgd,lars --lr-grid sgd:0.0078125,0.015625 --lr-grid lars:0.25,0.5
 "$LB" study batch-scaling --batches 64,384,1536,3072,6144 --optimizers sgd,lars,lamb "${COMMON[@]}" \
   --epochs 24 --seeds 3 --from-tuning "$TUNE" --from-tuning "$OUT/tune_6144" --from-tuning "$OUT/tune_edge_sgd" \
-  --from-tuning "$OUT/tune_edge_lars" --from-tuning "$OUT/tune_edge_lamb" \
+  --from-tuning "$OUT/tune_edge_lars" --from-tuning "$OUT/tune_edge_lamb" --from-tuning "$OUT/tune_edge_6144" \
   --opt-set sgd:schedule.warmup_epochs=1.333 --opt-set sgd:schedule.decay=step \
   --opt-set 'sgd:schedule.milestones=[8,16,21.333]' \
   --opt-set lars:schedule.warmup_epochs=2 --opt-set lars:schedule.decay=poly \
