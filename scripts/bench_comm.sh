@@ -5,7 +5,7 @@
 #   scripts/bench_comm.sh [OUTDIR]      # default OUTDIR: docs/communication_data
 #
 # Writes OUTDIR/communication_1x4.{json,png}, communication_2x2.{json,png},
-# communication_training.json and the printed tables to OUTDIR/communication_bench.log;
+# communication_training.json, cluster_training.json and the printed tables to OUTDIR/communication_bench.log;
 # prints the load average before and after and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,35 @@ step "$LB" cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- \
 # 3. exposed communication per DDP training step (default fast path), 1 host x 4.
 step "$LB" bench allreduce --nproc 4 --training --width 16 --json "$OUT/communication_training.json"
 
-# 4. the markdown tables of docs/communication.md from the JSON files
+# 4. a real training across the 2 namespaced hosts x 2 at 1 Gbit/s (default recipe, 150 steps), back to back:
+#    flat native against hierarchical in both forms; images/s from each run's summary.json.
+RUNS=$(mktemp -d)
+TRAIN=(train fashion_mnist --set train.max_steps=150 --set train.log_every=25 --set train.eval_every=0)
+for variant in native hierarchical-p2p hierarchical-native; do
+  case $variant in
+    native) extra=() ;;
+    hierarchical-p2p) extra=(--set comm.algorithm=hierarchical --set comm.impl=p2p) ;;
+    hierarchical-native) extra=(--set comm.algorithm=hierarchical --set comm.impl=native --set comm.inter=native) ;;
+  esac
+  step "$LB" cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- \
+      "${TRAIN[@]}" "${extra[@]}" --run-dir "$RUNS/$variant"
+done
+.venv/bin/python - "$RUNS" "$OUT/cluster_training.json" "${TRAIN[*]}" <<'PY'
+import json, sys
+from pathlib import Path
+runs, out, train = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+keys = ("train_images_per_s", "world_size", "steps", "final_top1", "wall_s")
+rows = {d.name: {k: json.loads((d / "summary.json").read_text())[k] for k in keys} for d in sorted(runs.iterdir())}
+out.write_text(json.dumps({"command": f"largebatch cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- "
+                           f"{train} [--set comm.algorithm=hierarchical --set comm.impl=p2p|native "
+                           f"(--set comm.inter=native)]", "runs": rows}, indent=2) + "\n")
+base = rows["native"]["train_images_per_s"]
+for name, r in rows.items():
+    print(f"{name}: {r['train_images_per_s']:.0f} images/s ({r['train_images_per_s'] / base:.2f}x native)")
+PY
+rm -rf "$RUNS"
+
+# 5. the markdown tables of docs/communication.md from the JSON files
 .venv/bin/python scripts/comm_tables.py "$OUT" | tee -a "$LOG"
 
 echo "### load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$LOG"

@@ -186,6 +186,9 @@ def test_pipelined_timeline() -> None:
     assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
     assert pieces_for(None, 64 << 20) == 8 and pieces_for(None, 1 << 20) == 1
     assert pieces_for(3, 1 << 20) == 3
+    # the native-composed form: smaller pieces (work handles, no Python round trip per piece)
+    assert pieces_for(None, 16 << 20, "native") == 16 and pieces_for(None, 1 << 30, "native") == 32
+    assert pieces_for(None, 512 << 10, "native") == 1 and pieces_for(3, 16 << 20, "native") == 3
 
 
 def test_a_comm_config_section_is_the_hook_options() -> None:

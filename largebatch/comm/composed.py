@@ -82,6 +82,8 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
         return
     lg, lranks, _ = local
     k = len(lranks)
+    if k == 1 or len(cross[1]) == 1:
+        pieces = 1                                  # one level: nothing to overlap
     wire = codec.wire_dtype(flat.dtype)
     exchange = k > 1 and dist.get_backend(lg) == "gloo"
     cut = bounds(flat.numel(), max(1, min(pieces, flat.numel())))

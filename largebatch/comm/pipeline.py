@@ -44,6 +44,12 @@ from largebatch.comm.compression import Codec
 
 PIECE_BYTES = 4 << 20
 MAX_PIECES = 8
+# The native-composed form issues its pieces as work handles, so a piece costs a queue entry, not a Python
+# round trip, and smaller pieces expose less of the first reduce-scatter and the last all-gather: on 2 hosts
+# x 2 at 1 Gbit/s, torus2d:native at 16 MB reached 1.36x native's busbw with 4 pieces, 1.46x with 16
+# (docs/communication.md).
+COMPOSED_PIECE_BYTES = 1 << 20
+COMPOSED_MAX_PIECES = 32
 
 _lock = threading.Lock()
 _worker: Optional[ThreadPoolExecutor] = None
@@ -52,12 +58,14 @@ Group = tuple[Optional[dist.ProcessGroup], list[int], int]   # (subgroup, global
 Cross = Callable[[torch.Tensor, list[int], int, Optional[dist.ProcessGroup], Codec], None]
 
 
-def pieces_for(pieces: Optional[int], nbytes: float) -> int:
-    """The piece count of a CPU tensor of ``nbytes``: ``pieces`` as given, or one per `PIECE_BYTES`
-    (1..`MAX_PIECES`) for None. The performance model (`largebatch.perf.measured`) uses it too."""
-    if pieces is None:
-        return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
-    return max(1, int(pieces))
+def pieces_for(pieces: Optional[int], nbytes: float, impl: str = "p2p") -> int:
+    """The piece count of a tensor of ``nbytes``: ``pieces`` as given, or for None one per `PIECE_BYTES`
+    (1..`MAX_PIECES`) for the p2p form and one per `COMPOSED_PIECE_BYTES` (1..`COMPOSED_MAX_PIECES`) for the
+    native-composed form. The performance model (`largebatch.perf.measured`) uses it too."""
+    if pieces is not None:
+        return max(1, int(pieces))
+    size, most = (COMPOSED_PIECE_BYTES, COMPOSED_MAX_PIECES) if impl == "native" else (PIECE_BYTES, MAX_PIECES)
+    return int(min(most, max(1, nbytes // size)))
 
 
 def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
@@ -70,7 +78,7 @@ def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
 def composed_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
     """The piece count of the native-composed form (`largebatch.comm.composed`): `pieces_for` on any
     device (its work handles overlap the levels on CUDA too), at most one piece per element."""
-    return min(pieces_for(pieces, flat.numel() * flat.element_size()), max(1, flat.numel()))
+    return min(pieces_for(pieces, flat.numel() * flat.element_size(), "native"), max(1, flat.numel()))
 
 
 def _cross_worker() -> ThreadPoolExecutor:

@@ -107,12 +107,13 @@ def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma:
 
 def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] = None,
             inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None,
-            pipeline: Optional[int] = None, backend: str = "gloo") -> float:
+            pipeline: Optional[int] = None, backend: str = "gloo", impl: str = "p2p") -> float:
     """Step 4: predicted seconds of one all-reduce of ``nbytes`` on ``topo``.
 
     ``grid`` (torus2d "XxY") defaults to K x nodes like the implementation; ``local_size``, when
     given, must be the topology's (hierarchical always uses the node size of ``topo``); ``pipeline``
-    is the option of the same name (None: the implementation's default piece count on CPU).
+    is the option of the same name (None: the implementation's default piece count on CPU); ``impl`` the
+    implementation of torus2d/hierarchical ("p2p" or "native"), whose default piece counts differ.
     """
     if local_size is not None and local_size != topo.devices_per_node:
         raise ValueError(f"local_size {local_size} differs from the topology's {topo.devices_per_node}")
@@ -123,5 +124,5 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
     torus_x = None
     if algorithm == "torus2d":
         torus_x = parse_grid(grid)[0] if grid else topo.devices_per_node
-    pieces = pieces_for(pipeline, nbytes) if algorithm in TWO_LEVEL else 1
+    pieces = pieces_for(pipeline, nbytes, impl) if algorithm in TWO_LEVEL else 1
     return allreduce_time(algorithm, nbytes, topo, torus_x, inter=inter, pieces=pieces, backend=backend)

@@ -344,13 +344,13 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
     fits: dict[str, dict] = {}
     for r in rows:
         full = r["algorithm"]
-        name = split_name(full)[0]        # the native-composed form makes the same steps: one model
+        name, impl = split_name(full)     # the native-composed form makes the same steps in its own pieces
         if name == "hierarchical" and args.local_size not in (None, k):
             r["predicted_s"] = None                                   # no model for a non-physical node size
             continue
         r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
                                         small_bytes=0 if name == "native" else small, pipeline=args.pipeline,
-                                        backend=backend)
+                                        backend=backend, impl=impl or "p2p")
         r["error"] = r["predicted_s"] / r["time_s"] - 1
         r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
         f = fits.setdefault(full, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
