@@ -30,6 +30,10 @@ bucket's previous step. So steps 3 and 4 each get a group of their own (the all-
 second copy of the local groups) and callbacks take their turn in bucket order (a ticket per
 step): one issuing order per group on every rank.
 
+Where one level has a single rank (a grid of one row or one column, one node, one process per node),
+the two levels are a flat all-reduce over the other, and both forms call the backend's ``all_reduce``
+on it.
+
 Compression: the caller pre-divides by p (`largebatch.comm.run`); the collectives then run in the
 wire dtype and the backend accumulates in it, as in `native` with compression.
 """
@@ -63,6 +67,18 @@ def _padded(flat: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _flat_group(local: Group, cross: Group, cross_p2p: Optional[Cross]) -> Optional[Group]:
+    """The one level that has more than one rank, when the other has one (a torus grid of one row or one
+    column, one node, one process per node): there the two levels are a flat all-reduce over that level,
+    and the backend's own ``all_reduce`` is its fastest form. None when both levels are real, or when the
+    cross level runs a p2p algorithm."""
+    if len(cross[1]) == 1:
+        return local
+    if len(local[1]) == 1 and cross_p2p is None:
+        return cross
+    return None
+
+
 def _cross_native(chunk: torch.Tensor, cross: Group, async_op: bool):
     group, ranks, _ = cross
     if len(ranks) == 1:
@@ -80,10 +96,16 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
         allreduce(host, local, cross, codec, pieces, cross_p2p)
         flat.copy_(host)
         return
+    flat_level = _flat_group(local, cross, cross_p2p)
+    if flat_level is not None:                      # one real level: the backend's all-reduce on it
+        whole = _padded(flat, 1, codec.wire_dtype(flat.dtype))
+        if len(flat_level[1]) > 1:
+            dist.all_reduce(whole, group=flat_level[0])
+        if whole.data_ptr() != flat.data_ptr():
+            flat.copy_(whole)
+        return
     lg, lranks, _ = local
     k = len(lranks)
-    if k == 1 or len(cross[1]) == 1:
-        pieces = 1                                  # one level: nothing to overlap
     wire = codec.wire_dtype(flat.dtype)
     exchange = k > 1 and dist.get_backend(lg) == "gloo"
     cut = bounds(flat.numel(), max(1, min(pieces, flat.numel())))
@@ -175,8 +197,19 @@ class Chain:
         from largebatch.comm.compression import get_codec
 
         codec = get_codec(self.codec_name, buffer.dtype)
-        ticket, self._tickets = self._tickets, self._tickets + 1
         buffer.div_(world)                                                      # DDP averages; pre-divided
+        flat_level = _flat_group(self.local, self.cross, self.cross_p2p)
+        if flat_level is not None:                  # one real level: the backend's all-reduce on it
+            wire_buf = _padded(buffer, 1, codec.wire_dtype(buffer.dtype))
+
+            def copy_back(f: torch.futures.Future) -> torch.Tensor:
+                f.wait()
+                if wire_buf.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(wire_buf)
+                return buffer
+
+            return dist.all_reduce(wire_buf, group=flat_level[0], async_op=True).get_future().then(copy_back)
+        ticket, self._tickets = self._tickets, self._tickets + 1
         k = len(self.local[1])
         wire = codec.wire_dtype(buffer.dtype)
         buf = _padded(buffer, k, wire)
