@@ -185,6 +185,18 @@ def test_pipelined_timeline() -> None:
     one_node = Topology(4, 4, fast, fast)                                    # no cross level: pieces ignored
     assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
     assert pieces_for(None, 64 << 20) == 8 and pieces_for(None, 1 << 20) == 1
+    # queued pieces (the native-composed form's work handles) pay each stage's latency once
+    from largebatch.perf.topology import staged
+
+    def stages(b: float) -> tuple[float, float, float]:
+        return 1.0 + b, 2.0 + 10 * b, 1.0 + b                               # latency + bytes
+    assert staged(stages, 8.0, 1, queued=True) == staged(stages, 8.0, 1) == pipelined(9.0, 82.0, 9.0, 1)
+    assert staged(stages, 8.0, 4) == pipelined(3.0, 22.0, 3.0, 4)
+    assert staged(stages, 8.0, 4, queued=True) == pipelined(2.0, 20.0, 2.0, 4) + 4.0
+    assert staged(stages, 8.0, 32, queued=True) < staged(stages, 8.0, 32)
+    slow_latency = Topology(4, 2, Link("i", 1e-3, 1e9), Link("e", 1e-3, 1e8))
+    assert (hierarchical.cost(n, slow_latency, "native", pieces=32, queued=True)
+            < hierarchical.cost(n, slow_latency, "native", pieces=32))
     assert pieces_for(3, 1 << 20) == 3
     # the native-composed form: smaller pieces (work handles, no Python round trip per piece)
     assert pieces_for(None, 16 << 20, "native") == 16 and pieces_for(None, 1 << 30, "native") == 32

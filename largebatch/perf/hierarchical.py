@@ -24,13 +24,15 @@ missing local ranks simply send nothing in step 2.
 from __future__ import annotations
 
 from largebatch.perf import halving_doubling
-from largebatch.perf.topology import Topology, pipelined, ring_all_gather, ring_reduce_scatter
+from largebatch.perf.topology import Topology, ring_all_gather, ring_reduce_scatter, staged
 
 INTER = ("halving_doubling", "ring", "native")   # native (the backend's collective) is modelled as a ring
 
 
-def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling", pieces: int = 1) -> float:
-    """Seconds for one hierarchical all-reduce of `nbytes` over all devices (steps 1-3)."""
+def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling", pieces: int = 1,
+         queued: bool = False) -> float:
+    """Seconds for one hierarchical all-reduce of `nbytes` over all devices (steps 1-3); `queued`: the pieces
+    are work handles issued ahead (the native-composed form), so each stage's latency is paid once."""
     if inter not in INTER:
         raise ValueError(f"no inter-node algorithm {inter!r}")
     p, g = topo.devices, topo.devices_per_node
@@ -40,14 +42,15 @@ def cost(nbytes: float, topo: Topology, inter: str = "halving_doubling", pieces:
     k = max(len(n) for n in nodes)
     cross = [[n[j] for n in nodes if j < len(n)] for j in range(k)]
     pieces = pieces if len(nodes) > 1 else 1                                       # nothing to overlap
-    piece = nbytes / pieces
-    part = piece / k
-    rs = ring_reduce_scatter(topo, nodes, piece)                                    # 1.
-    x = 0.0
-    if len(nodes) > 1:                                                              # 2.
-        if inter == "halving_doubling":
-            x = halving_doubling.cost(part, topo, groups=[c for c in cross if len(c) == len(nodes)])
-        else:
-            x = ring_reduce_scatter(topo, cross, part) + ring_all_gather(topo, cross, part)
-    ag = ring_all_gather(topo, nodes, piece)                                        # 3.
-    return pipelined(rs, x, ag, pieces)
+
+    def stages(piece: float) -> tuple[float, float, float]:
+        part = piece / k
+        x = 0.0
+        if len(nodes) > 1:                                                          # 2.
+            if inter == "halving_doubling":
+                x = halving_doubling.cost(part, topo, groups=[c for c in cross if len(c) == len(nodes)])
+            else:
+                x = ring_reduce_scatter(topo, cross, part) + ring_all_gather(topo, cross, part)
+        return ring_reduce_scatter(topo, nodes, piece), x, ring_all_gather(topo, nodes, piece)   # 1., 3.
+
+    return staged(stages, nbytes, pieces, queued)

@@ -125,4 +125,5 @@ def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] =
     if algorithm == "torus2d":
         torus_x = parse_grid(grid)[0] if grid else topo.devices_per_node
     pieces = pieces_for(pipeline, nbytes, impl) if algorithm in TWO_LEVEL else 1
-    return allreduce_time(algorithm, nbytes, topo, torus_x, inter=inter, pieces=pieces, backend=backend)
+    return allreduce_time(algorithm, nbytes, topo, torus_x, inter=inter, pieces=pieces, backend=backend,
+                          queued=impl == "native")

@@ -91,11 +91,13 @@ class Prediction:
 
 
 def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None, *,
-                   inter: str = "halving_doubling", pieces: int = 1, backend: str = "nccl") -> float:
+                   inter: str = "halving_doubling", pieces: int = 1, backend: str = "nccl",
+                   queued: bool = False) -> float:
     """Seconds for one all-reduce of `nbytes` with `algorithm` on `topo` (step 3): the one place that maps
     algorithm names to cost functions, for `plan` and for `largebatch bench allreduce`'s predictions
     (`largebatch.perf.measured`). `native` is the backend's own all-reduce: NCCL's faster of ring and tree
-    per message, gloo's ring."""
+    per message, gloo's ring. `queued`: the two-level algorithms' native-composed form, whose pieces are
+    work handles issued ahead (`largebatch.perf.topology.staged`)."""
     if algorithm == "native":
         if backend not in BACKENDS:
             raise ValueError(f"no native all-reduce model for backend {backend!r}")
@@ -105,9 +107,9 @@ def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int |
     if algorithm == "halving_doubling":
         return halving_doubling.cost(nbytes, topo)
     if algorithm == "torus2d":
-        return torus2d.cost(nbytes, topo, torus_x, pieces)
+        return torus2d.cost(nbytes, topo, torus_x, pieces, queued)
     if algorithm == "hierarchical":
-        return hierarchical.cost(nbytes, topo, inter, pieces)
+        return hierarchical.cost(nbytes, topo, inter, pieces, queued)
     if algorithm == "tree":
         return tree.cost(nbytes, topo)
     raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from largebatch.perf.catalog import Link
 
@@ -92,3 +92,17 @@ def pipelined(rs: float, cross: float, ag: float, pieces: int) -> float:
     for end in ends:
         t = max(t, end) + ag
     return t
+
+
+def staged(stages: Callable[[float], tuple[float, float, float]], nbytes: float, pieces: int,
+           queued: bool = False) -> float:
+    """Seconds of a two-level all-reduce of `nbytes` in `pieces` pieces, from `stages(piece_bytes)` = one
+    piece's (reduce-scatter, cross all-reduce, all-gather) times: `pipelined`. With `queued` (the pieces are
+    work handles issued ahead, as the native-composed form does) each stage's latency, its time at 0 bytes,
+    is paid once rather than per piece, and only the byte terms are pipelined."""
+    full = stages(nbytes / pieces)
+    if not queued or pieces == 1:
+        return pipelined(*full, pieces)
+    latency = stages(0.0)
+    rs, cross, ag = (f - a for f, a in zip(full, latency))
+    return pipelined(rs, cross, ag, pieces) + sum(latency)

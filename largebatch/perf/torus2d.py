@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from largebatch.errors import UserError
-from largebatch.perf.topology import Topology, pipelined, ring_all_gather, ring_reduce_scatter
+from largebatch.perf.topology import Topology, ring_all_gather, ring_reduce_scatter, staged
 
 
 def grid(p: int, x: int | None = None, topo: Topology | None = None, nbytes: float = 0.0) -> tuple[int, int]:
@@ -37,8 +37,9 @@ def grid(p: int, x: int | None = None, topo: Topology | None = None, nbytes: flo
     return best[1], p // best[1]
 
 
-def cost(nbytes: float, topo: Topology, x: int | None = None, pieces: int = 1) -> float:
-    """Seconds for one 2D-torus all-reduce of `nbytes` over all devices on an X-wide grid."""
+def cost(nbytes: float, topo: Topology, x: int | None = None, pieces: int = 1, queued: bool = False) -> float:
+    """Seconds for one 2D-torus all-reduce of `nbytes` over all devices on an X-wide grid; `queued`: the
+    pieces are work handles issued ahead (the native-composed form), so each stage's latency is paid once."""
     p = topo.devices
     if p < 2:
         return 0.0
@@ -48,9 +49,11 @@ def cost(nbytes: float, topo: Topology, x: int | None = None, pieces: int = 1) -
     rows = [list(range(j * x, (j + 1) * x)) for j in range(y)]
     cols = [list(range(i, p, x)) for i in range(x)]
     pieces = pieces if y > 1 else 1                                                    # nothing to overlap
-    piece = nbytes / pieces
-    part = piece / x
-    rs = ring_reduce_scatter(topo, rows, piece)                                        # 1.
-    col = ring_reduce_scatter(topo, cols, part) + ring_all_gather(topo, cols, part)    # 2.
-    ag = ring_all_gather(topo, rows, piece)                                            # 3.
-    return pipelined(rs, col, ag, pieces)
+
+    def stages(piece: float) -> tuple[float, float, float]:
+        part = piece / x
+        return (ring_reduce_scatter(topo, rows, piece),                                # 1.
+                ring_reduce_scatter(topo, cols, part) + ring_all_gather(topo, cols, part),  # 2.
+                ring_all_gather(topo, rows, piece))                                    # 3.
+
+    return staged(stages, nbytes, pieces, queued)
