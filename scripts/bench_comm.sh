@@ -33,7 +33,7 @@ step "$LB" cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- \
     --plot "$OUT/communication_allreduce_2x2.png"
 
 # 3. exposed communication per DDP training step (default fast path), 1 host x 4.
-step "$LB" bench allreduce --nproc 4 --training --width 16 --rounds 7 --json "$OUT/communication_training.json"
+step "$LB" bench allreduce --nproc 4 --training --width 16 --rounds 5 --steps 20 --json "$OUT/communication_training.json"
 
 # 4. a real training across the 2 namespaced hosts x 2 at 1 Gbit/s (default recipe, 150 steps), back to back:
 #    flat native against hierarchical in both forms; images/s from each run's summary.json.
