@@ -178,6 +178,8 @@ class ScheduleConfig(Section):
 
     def validate(self) -> None:
         super().validate()
+        if self.epochs > MAX_EPOCHS:   # 1e300 planned an endless run, the steps counted in float
+            raise UserError(f"schedule.epochs is {self.epochs:g}; give at most {MAX_EPOCHS:,} epochs.")
         if self.warmup_epochs > self.epochs:
             raise UserError(f"schedule.warmup_epochs ({self.warmup_epochs}) is longer than schedule.epochs "
                             f"({self.epochs}); shorten the warm-up or train longer.")
@@ -276,6 +278,8 @@ class EnsembleConfig(Section):
         super().validate()
         if self.cycles > MAX_CYCLES:   # before the plan, which builds a segment per cycle
             raise UserError(f"ensemble.cycles is {self.cycles}; give at most {MAX_CYCLES} cycles (0 = off).")
+        if self.cycle_epochs > MAX_EPOCHS:   # 1e300 lost the collapse to rounding: "use longer cycles"
+            raise UserError(f"ensemble.cycle_epochs is {self.cycle_epochs:g}; give at most {MAX_EPOCHS:,} epochs.")
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -351,9 +355,16 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
     if tp is bool:
         ok = isinstance(value, bool)
     elif tp is int:
+        given = value
+        if isinstance(value, str):   # YAML 1.1 reads 1e4 as a string: take it as the whole number it is
+            with contextlib.suppress(ValueError):
+                number = float(value.strip())
+                value = int(number) if number.is_integer() else value
+        elif isinstance(value, float) and value.is_integer():   # 1.0e+4, 64.0: a whole number written as a float
+            value = int(value)
         ok = _is_int(value)
         if ok and not -2**63 <= value < 2**63:   # no count, size or seed is larger; torch takes 64-bit integers
-            raise UserError(f"{where} is {value}; give a number below 2**63.")
+            raise UserError(f"{where} is {given}; give a number below 2**63.")
     elif tp is float:
         if isinstance(value, str):   # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it is
             with contextlib.suppress(ValueError):
@@ -499,6 +510,7 @@ MAX_CLASSES = 1_000_000        # data.num_classes
 THREADS_PER_CORE = 8           # train.threads, per core of this host (64 at least)
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0   # comm.timeout_s
 MAX_CYCLES = 1000              # ensemble.cycles
+MAX_EPOCHS = 1_000_000         # schedule.epochs, ensemble.cycle_epochs
 
 
 def _check_distinct_starts(where: str, phases: list) -> None:

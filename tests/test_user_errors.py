@@ -70,6 +70,9 @@ def _expect(result, *fragments):
     ("optim.weight_decay=1", "optim.weight_decay is 1.0"),
     ("data.num_classes=100000000000", "data.num_classes is 100000000000; give at most 1,000,000 classes"),
     ("ensemble.cycles=1001", "ensemble.cycles is 1001; give at most 1000 cycles"),
+    ("schedule.epochs=1e300", "schedule.epochs is 1e+300; give at most 1,000,000 epochs"),   # was accepted
+    ("ensemble.cycle_epochs=1e300", "ensemble.cycle_epochs is 1e+300; give at most 1,000,000"),   # "use longer cycles"
+    ("model.width=1e300", "model.width is 1e300; give a number below 2**63"),   # not the 301-digit integer
 ])
 def test_out_of_range_numbers(main, override, fragment):
     _expect(main("train", "--set", override, "--dry-run"), fragment)
@@ -477,6 +480,7 @@ def test_from_tuning_odd_study_directories(main, tmp_path):
     ("ensemble", ["--cycles", "1", "--cycle-epochs", "nan"], "--cycle-epochs is nan"),
     ("ensemble", ["--cycles", "1", "--collapse-epochs", "inf"], "--collapse-epochs is inf"),
     ("ensemble", ["--epochs", "inf"], "--epochs is inf"),
+    ("batch-scaling", ["--epochs", "1e300"], "--epochs is 1e+300; give a positive number of epochs (at most"),
     ("ensemble", ["--cycles", "1000000000"], "leaves 0 of the"),   # not "leaves -4e+09"
     ("ensemble", ["--batch", "0"], "--batch is 0; give a positive global batch"),
     ("batch-control", ["--start-batch", "0"], "--start-batch is 0"),
@@ -538,6 +542,9 @@ def test_bench_numbers(main, args, fragment):
     (["--image-size", "0"], ["--image-size is 0; give 1 or more pixels."]),
     (["--model", "foo"], ["--model is 'foo'; choose one of: resnet18"]),
     (["--model", "speedrun", "--image-size", "4"], ["cannot take 4x4-pixel images", "give a larger --image-size."]),
+    # were refused by the scaled run's launcher as --nproc-per-node / train.threads, after the one-worker run
+    (["--workers", "65"], ["--workers is 65; this host has 2 cores, so give at most 64 local workers"]),
+    (["--threads", "65"], ["--threads is 65; this host has 2 cores, so give at most 64 threads"]),
 ])
 def test_bench_scaling_checks_its_flags_before_any_run(main, monkeypatch, args, fragments):
     """Each was found by the first worker run and reported as the config key (data.image_size, model.name)."""
@@ -547,6 +554,7 @@ def test_bench_scaling_checks_its_flags_before_any_run(main, monkeypatch, args, 
         raise AssertionError("a training run started")
 
     monkeypatch.setattr(scaling, "run_training", no_run)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     _expect(main("bench", "scaling", *args), *fragments)
 
 
@@ -635,3 +643,87 @@ def test_cluster_run_checks_its_command_before_building_hosts(main):
     _expect(main("cluster", "run", "--", "bench", "nope"), "'bench nope'", "bench allreduce")
     _expect(main("cluster", "run", "--exec", "--", "/nonexistent/prog"),
             "--exec program '/nonexistent/prog' is not an executable file or on PATH")
+
+
+def test_thread_counts_are_bounded(main, monkeypatch):
+    """torch.set_num_threads(100000) crashed bench train (a segfault, no message); like train.threads, at most 8
+    threads per core (64 at least)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    for command in (["bench", "train"], ["bench", "optim"], ["bench", "speedrun"]):
+        _expect(main(*command, "--threads", "100000"),
+                "--threads is 100000; this host has 2 cores, so give at most 64 threads (8 per core, 64 at least).")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["bench", "train", "--classes", "1"], "--classes is 1; give 2 or more"),   # was data.num_classes, after 4 s
+    (["bench", "optim", "--model", "foo"], "--model is 'foo'; choose one of: resnet18"),   # was "(model.name)"
+    (["bench", "speedrun", "--seed", str(10**20)], "--seed is 100000000000000000000; give a 64-bit integer"),
+    (["plan", "--model", "foo"], "--model is 'foo'; choose one of: resnet18"),
+    (["plan", "--width", "100000000"], "model resnet50 at width 100000000"),   # a RuntimeError from torch
+    (["plan", "--num-classes", str(10**14)], "buckets; give a larger --bucket-mb or a smaller model"),   # MemoryError
+    (["plan", "--bucket-mb", "1e-9"], "--bucket-mb 1e-09 splits the 49 MiB gradient of resnet50 into 51,114,064"),
+])
+def test_bench_and_plan_flags_that_gave_tracebacks_or_config_keys(main, args, fragment):
+    _expect(main(*args), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--pipeline", "0"], "--pipeline is 0; give 1 or more pieces"),
+    (["--small-bytes", "-1"], "--small-bytes is -1; give 0 or more bytes"),
+    (["--local-size", "0"], "--local-size is 0"),
+    (["--local-size", "3"], "--local-size 3 does not divide --nproc 4 into equal nodes; give a divisor of 4."),
+    (["--grid", "0x4"], "--grid '0x4' is not of the form XxY"),
+    (["--grid", "3x3"], "--grid 3x3 has 9 positions but --nproc is 4; give a grid XxY with X*Y = 4."),
+    (["--training", "--width", "0"], "--width is 0; give 1 or more channels"),
+])
+def test_bench_allreduce_checks_its_flags_before_the_workers(main, monkeypatch, args, fragment):
+    """Each started 4 workers, and each worker refused it by its config key (pipeline=, comm.local_size,
+    comm.grid, width) after the launch."""
+    from largebatch import launch
+
+    def no_launch(_):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(launch, "run_agent", no_launch)
+    _expect(main("bench", "allreduce", "--nproc", "4", *args), fragment)
+
+
+def test_dry_run_names_the_worker_flag_given(main):
+    _expect(main("train", "--dry-run", "--nproc-per-node", "-1"), "--nproc-per-node is -1; give 1 or more")   # --world-size
+    _expect(main("train", "--dry-run", "--nproc-per-node", "0"), "--nproc-per-node is 0")   # planned for 1 worker
+
+
+def test_yaml_1_1_exponent_integers_are_numbers(main):
+    """YAML 1.1 reads 1e4 as a string: an integer key takes the whole number it is, not 'must be a int'."""
+    from largebatch import config
+
+    cfg = config.load("fashion_mnist", ["data.synthetic_size=1e4", "train.log_every=1.0e+2"])
+    assert cfg.data.synthetic_size == 10000 and cfg.train.log_every == 100
+    assert isinstance(cfg.data.synthetic_size, int)
+    _expect(main("train", "--set", "data.synthetic_size=1e-3", "--dry-run"), "data.synthetic_size must be a int")
+
+
+def test_data_paths_are_named_as_given(main, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    _expect(main("train", "--set", "data.dataset=shards", "--set", f"data.root={a_file}", "--dry-run"),
+            f"data.root {a_file} is a file, not a directory")   # was "cannot read index.json ...; re-run data pack"
+    _expect(main("data", "pack", a_file, tmp_path / "out"), f"data pack source {a_file} is a file")   # was data.root
+    _expect(main("data", "pack", tmp_path / "missing", tmp_path / "out"), "data pack source", "does not exist")
+    _expect(main("bench", "speedrun", "--root", a_file), f"--root {a_file} is a file, not a directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_texts_name_no_module_paths(capsys):
+    """Help showed largebatch.models.MODELS, largebatch.comm.SMALL_BYTES and `python -m largebatch.commands...`;
+    study batch-control and study ensemble showed both commands' descriptions as one paragraph."""
+    import re
+
+    for command in cli_mod.COMMANDS:
+        with pytest.raises(SystemExit):
+            cli_mod.main([*command.split(), "--help"])
+        out = capsys.readouterr().out
+        assert not re.search(r"largebatch\.[a-z]", out) and "python -m" not in out, (command, out)
+        if command in ("study batch-control", "study ensemble"):
+            other = "ensemble (Codreanu" if command == "study batch-control" else "batch-control (Sony"
+            assert other not in " ".join(out.split()), out

@@ -21,7 +21,9 @@ from largebatch.perf.model import ALGORITHMS, Prediction, predict
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="largebatch plan", description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--model", default="resnet50", help="architecture from largebatch.models (its FLOPs and gradient size)")
+    from largebatch.models import MODELS
+
+    a("--model", default="resnet50", help=f"architecture, one of {', '.join(MODELS)} (its FLOPs and gradient size)")
     a("--image-size", type=int, default=224, help="training image side in pixels")
     a("--in-channels", type=int, default=3, help="input channels")
     a("--num-classes", type=int, default=1000, help="classes of the classifier head")
@@ -181,6 +183,10 @@ def _sweep(args) -> int:
 
 def _validate(args) -> None:
     """Every number a user gives is checked here, one sentence each (a negative price gave a negative cost)."""
+    from largebatch.models import MODELS
+
+    if args.model not in MODELS:   # before build_model, whose sentence names the config key model.name
+        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
     for flag, value, low in (("--image-size", args.image_size, 1), ("--in-channels", args.in_channels, 1),
                              ("--num-classes", args.num_classes, 2), ("--width", args.width, 1),
                              ("--devices", args.devices, 1), ("--devices-per-node", args.devices_per_node, 1),

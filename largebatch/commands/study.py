@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from largebatch import rundir
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
@@ -514,8 +515,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--optimizers has {bad}; choose from {', '.join(OPTIMIZER_SETTINGS)}.")
     check_numbers(*((flag, value, value >= 1, "1 or more") for flag, value in (
         ("--seeds", args.seeds), ("--nproc-per-node", args.nproc_per_node), ("--micro-batch", args.micro_batch))))
-    if args.epochs is not None and not 0 < args.epochs < math.inf:   # nan fails both
-        raise UserError(f"--epochs is {args.epochs}; give a positive number of epochs.")
+    if args.epochs is not None and not 0 < args.epochs <= MAX_EPOCHS:   # nan fails both
+        raise UserError(f"--epochs is {args.epochs}; give a positive number of epochs (at most {MAX_EPOCHS:,}).")
     check_numbers(*[("--batches", b, b >= 1, "positive global batches") for b in batches])
     grid = lr_grid(args.lr_grid, optimizers)
     if args.val_split is not None and args.val_split < 1:

@@ -23,11 +23,14 @@ from pathlib import Path
 
 from largebatch.commands import study
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 
 
 def parser(kind: str) -> ArgumentParser:
-    p = ArgumentParser(prog=f"largebatch study {kind}", description=" ".join(__doc__.split("\n\n")[1].split()))
+    # this command's own bullet of the docstring (the help showed both commands' as one run-on paragraph)
+    own = next(b for b in __doc__.split("\n\n")[1].split("\n- ") if b.lstrip("- ").startswith(kind))
+    p = ArgumentParser(prog=f"largebatch study {kind}", description=" ".join(own.lstrip("- ").split()))
     p.add_argument("--recipe", default="fashion_mnist", help="recipe every cell starts from")
     p.add_argument("--epochs", type=float, default=24.0, help="epoch budget of every cell")
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (0..N-1)")
@@ -239,7 +242,8 @@ def run(kind: str, argv: list[str]) -> int:
     check_numbers(("--seeds", args.seeds, args.seeds >= 1, "1 or more"),
                   ("--nproc-per-node", args.nproc_per_node, args.nproc_per_node >= 1, "1 or more"),
                   ("--micro-batch", args.micro_batch, args.micro_batch >= 1, "1 or more"),
-                  ("--epochs", args.epochs, 0 < args.epochs < math.inf, "a positive number of epochs"),
+                  ("--epochs", args.epochs, 0 < args.epochs <= MAX_EPOCHS,
+                   f"a positive number of epochs (at most {MAX_EPOCHS:,})"),
                   ("--val-split", args.val_split, args.val_split is None or args.val_split >= 1, "1 or more"))
     plan = variants(kind, args)
     if args.from_tuning is not None and (args.lr_grid is not None or args.val_split):

@@ -186,11 +186,11 @@ def main(argv: list[str]) -> int:
     under_torchrun = "LOCAL_RANK" in os.environ
     if args.dry_run:
         world = args.world_size if args.world_size is not None else (
-            args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1")))
-        if world < 1:
-            raise UserError(f"--world-size is {world}; give 1 or more workers.")
+            args.nproc_per_node if args.nproc_per_node is not None else int(os.environ.get("WORLD_SIZE", "1")))
         where = ("--world-size" if args.world_size is not None else
-                 "--nproc-per-node" if args.nproc_per_node else "the world size (WORLD_SIZE)")
+                 "--nproc-per-node" if args.nproc_per_node is not None else "the world size (WORLD_SIZE)")
+        if world < 1:   # named as given: --nproc-per-node -1 was reported as --world-size -1
+            raise UserError(f"{where} is {world}; give 1 or more workers.")
         plan = dry_run(cfg, world, where)
         if os.environ.get("RANK", "0") == "0":
             print_plan(plan)

@@ -146,6 +146,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     check_numbers(("--shard-size-mb", args.shard_size_mb, 0 < args.shard_size_mb < math.inf, "a positive size in MB"),
                   ("--seed", args.seed, -2**63 <= args.seed < 2**64, "a 64-bit integer"))
+    if not args.src.is_dir():   # named as the argument it is (the ImageFolder reader names its config key data.root)
+        what = "is a file, not a directory" if args.src.exists() else "does not exist"
+        raise UserError(f"data pack source {args.src} {what}; give an ImageFolder root with train/ and val/.")
     index = pack(args.src, args.dst, int(args.shard_size_mb * 2**20), args.seed)
     for split, s in index["splits"].items():
         print(f"{split}: {s['total']} images in {len(s['shards'])} shards -> {args.dst}")
@@ -328,6 +331,9 @@ def build_shards(cfg, seed: int):
     from largebatch.dist import env_info
 
     root = Path(cfg.root)
+    if root.exists() and not root.is_dir():   # was "cannot read .../index.json ([Errno 20] ...); re-run data pack"
+        raise UserError(f"data.root {root} is a file, not a directory; set data.root to the directory that "
+                        "'largebatch data pack' wrote.")
     try:
         index = json.loads((root / INDEX).read_text())
     except FileNotFoundError:

@@ -33,8 +33,14 @@ def model_cost(name: str, image_size: int = 224, in_channels: int = 3, num_class
     if image_size < 1:
         from largebatch.errors import UserError
         raise UserError(f"image size {image_size} must be a positive integer.")
-    with torch.device("meta"):  # 1. shapes only
-        model = build_model(name, num_classes, in_channels=in_channels, stem=stem, width=width)
-    flops = count_flops(model, (1, in_channels, image_size, image_size))  # 2.
+    try:
+        with torch.device("meta"):  # 1. shapes only
+            model = build_model(name, num_classes, in_channels=in_channels, stem=stem, width=width)
+        flops = count_flops(model, (1, in_channels, image_size, image_size))  # 2.
+    except (RuntimeError, MemoryError, OverflowError) as err:   # a tensor too large to describe, even on meta
+        from largebatch.errors import UserError
+        raise UserError(f"model {name} at width {width}, {in_channels} input channels, {num_classes} classes and "
+                        f"{image_size} px images is too large to describe ({type(err).__name__}); give smaller "
+                        "values (--width, --num-classes, --in-channels, --image-size).") from None
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return ModelCost(name, image_size, float(flops), int(params))

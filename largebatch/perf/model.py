@@ -45,6 +45,7 @@ from largebatch.perf.topology import Topology
 ALGORITHMS = ALLREDUCE + MODEL_ONLY
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKENDS = ("nccl", "gloo")
+MAX_BUCKETS = 1_000_000   # gradient buckets of one step: more is a misplaced exponent (--bucket-mb 1e-9)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,12 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
     b = global_batch // devices
 
     grad_bytes = cost.params * BYTES_PER_ELEMENT[precision]         # 2.
-    sizes = bucket_sizes(grad_bytes, max(1, int(bucket_mb * 2**20)))
+    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    if math.ceil(grad_bytes / bucket_bytes) > MAX_BUCKETS:   # a list of them was a MemoryError, or minutes of work
+        raise UserError(f"--bucket-mb {bucket_mb:g} splits the {grad_bytes / 2**20:,.0f} MiB gradient of {model} into "
+                        f"{math.ceil(grad_bytes / bucket_bytes):,} buckets; give a larger --bucket-mb or a smaller "
+                        f"model (at most {MAX_BUCKETS:,} buckets).")
+    sizes = bucket_sizes(grad_bytes, bucket_bytes)
     grid = None
     if algorithm == "torus2d":
         x, y = torus2d.grid(devices, torus_x, topo if torus_x is None else None, float(sizes[0]))

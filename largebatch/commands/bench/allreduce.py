@@ -107,7 +107,7 @@ def _parser() -> ArgumentParser:
                     help="torus2d/hierarchical pieces overlapped across levels (default one per 4 MB; 1 = off)")
     ap.add_argument("--small-bytes", type=int, default=None,
                     help="p2p algorithms hand tensors below this many bytes to native (default: "
-                         "largebatch.comm.SMALL_BYTES; 0 = always run the algorithm itself)")
+                         f"{comm.SMALL_BYTES}, i.e. {human(comm.SMALL_BYTES)}; 0 = always run the algorithm itself)")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument("--plot", default=None, help="write a PNG of busbw against size here (rank 0)")
     ap.add_argument("--training", action="store_true", help="exposed comm time per DDP training step instead")
@@ -139,10 +139,38 @@ def _validate(args: Any) -> None:
                   ("--rounds", args.rounds, args.rounds >= 1, "1 or more"),
                   ("--steps", args.steps, args.steps >= 1, "1 or more"),
                   ("--batch", args.batch, args.batch >= 1, "1 or more"),
-                  ("--bucket-mb", args.bucket_mb, 0 < args.bucket_mb < math.inf, "a positive size in MB"))
+                  ("--bucket-mb", args.bucket_mb, 0 < args.bucket_mb < math.inf, "a positive size in MB"),
+                  ("--width", args.width, args.width >= 1, "1 or more channels"),
+                  ("--pipeline", args.pipeline, args.pipeline is None or args.pipeline >= 1,
+                   "1 or more pieces (1 turns the overlap of the two levels off), or leave it out"),
+                  ("--small-bytes", args.small_bytes, args.small_bytes is None or args.small_bytes >= 0,
+                   "0 or more bytes (0 always runs the algorithm itself)"),
+                  ("--local-size", args.local_size, args.local_size is None or args.local_size >= 1,
+                   "1 or more processes per node"))
+    _check_layout_flags(args)
     if not _under_torchrun():   # before the workers measure anything: their folder must take files
         for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
             check_output_path(flag, path)
+
+
+def _check_layout_flags(args: Any) -> None:
+    """--grid and --local-size before the workers start: found by each worker's comm setup, they were named as
+    config keys (comm.grid, comm.local_size) once per worker, after the launch."""
+    positions = None
+    if args.grid is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", args.grid)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise UserError(f"--grid {args.grid!r} is not of the form XxY with positive X and Y; give e.g. --grid 2x2.")
+        positions = int(m.group(1)) * int(m.group(2))
+    if _under_torchrun():   # the world is the launcher's; the workers check the layout against it
+        return
+    used = {split_name(name)[0] for name in args.algorithms}
+    if positions is not None and "torus2d" in used and positions != args.nproc:
+        raise UserError(f"--grid {args.grid} has {positions} positions but --nproc is "
+                        f"{args.nproc}; give a grid XxY with X*Y = {args.nproc}.")
+    if args.local_size is not None and "hierarchical" in used and args.nproc % args.local_size:
+        raise UserError(f"--local-size {args.local_size} does not divide --nproc {args.nproc} into equal nodes; give "
+                        f"a divisor of {args.nproc}.")
 
 
 def _under_torchrun() -> bool:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from largebatch.cli import ArgumentParser
+from largebatch.cli import ArgumentParser, check_threads
 from largebatch.config import OptimConfig
 from largebatch.errors import UserError
 from largebatch.models import MODELS, build_model
@@ -49,8 +49,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be at least 1.")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads is {args.threads}; give 1 or more.")
+    check_threads("--threads", args.threads)
+    if args.model not in MODELS:   # before build_model, whose sentence names the config key model.name
+        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UserError(f"--device is {args.device!r}; give cpu or cuda (or cuda:N).")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

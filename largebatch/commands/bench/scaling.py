@@ -70,7 +70,9 @@ def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="largebatch bench scaling", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2, help="N: workers of the scaled runs (one machine)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated comm.algorithm values")
-    p.add_argument("--model", default="resnet18", help="architecture from largebatch.models.MODELS")
+    from largebatch.models import MODELS
+
+    p.add_argument("--model", default="resnet18", help=f"architecture: one of {', '.join(MODELS)}")
     p.add_argument("--width", type=int, default=32, help="channels of the first stage")
     p.add_argument("--image-size", type=int, default=32, help="synthetic image size (<= 64: small stem)")
     p.add_argument("--per-worker-batch", type=int, default=64, help="images per worker per step")
@@ -86,14 +88,18 @@ def main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise UserError(f"--algorithms has {', '.join(bad) or 'nothing'}; choose from {', '.join(ALGORITHMS)}.")
-    from largebatch.cli import check_numbers, check_output_path
+    from largebatch.cli import check_numbers, check_output_path, check_threads
+    from largebatch.launch import check_worker_count
 
     check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),
                   *((f"--{name.replace('_', '-')}", getattr(args, name), getattr(args, name) >= 1, "1 or more")
                     for name in ("per_worker_batch", "steps", "threads", "repeats", "width")),
                   ("--image-size", args.image_size, args.image_size >= 1, "1 or more pixels"),
                   ("--timeout", args.timeout, 0 < args.timeout < math.inf, "a positive number of seconds"))
-    from largebatch.models import MODELS
+    # before the one-worker runs: found by the scaled run's launcher, these were named as its flags (--nproc-per-node,
+    # train.threads) after the whole baseline
+    check_worker_count("--workers", args.workers, low=2)
+    check_threads("--threads", args.threads)
     from largebatch.models.classifier import check_input_size
 
     if args.model not in MODELS:

@@ -1,5 +1,5 @@
-"""`largebatch bench speedrun` (also `python -m largebatch.commands.bench.speedrun`): the plain PyTorch baseline of the
-Fashion-MNIST time-to-accuracy record, for `largebatch train fashion_mnist_speedrun` to be compared with.
+"""`largebatch bench speedrun`: the plain PyTorch baseline of the Fashion-MNIST time-to-accuracy record, for
+`largebatch train fashion_mnist_speedrun` to be compared with.
 
 The program a user would write without largebatch, timed like the record (training and evaluation, setup
 excluded):
@@ -62,14 +62,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    from largebatch.cli import check_numbers, check_output_path
+    from largebatch.cli import check_numbers, check_output_path, check_threads
 
     check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
                   ("--epochs", args.epochs, args.epochs >= 1, "1 or more"),
                   ("--budget", args.budget, args.budget > 0, "a positive number of seconds"),
                   ("--lr", args.lr, 0 < args.lr < math.inf, "a positive learning rate"),
-                  ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
+                  ("--seed", args.seed, -2**63 <= args.seed < 2**64, "a 64-bit integer"),
                   ("--target", args.target, 0 < args.target <= 1, "a top-1 fraction in (0, 1]"))
+    check_threads("--threads", args.threads)
+    if not Path(args.root).is_dir():   # named as the flag it is (the IDX reader names its config key data.root)
+        what = "is a file, not a directory" if Path(args.root).exists() else "does not exist"
+        raise UserError(f"--root {args.root} {what}; give the directory of the Fashion-MNIST IDX files "
+                        "(apt-get install -y dataset-fashion-mnist installs them in the default --root).")
     check_output_path("--json", args.json)
     if args.threads:
         torch.set_num_threads(args.threads)

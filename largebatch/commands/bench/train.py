@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path, check_threads
 from largebatch.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -194,7 +194,9 @@ def measure(entries: dict[str, Callable[[], None]], batch: int, steps: int, roun
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="largebatch bench train", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet50", help="architecture from largebatch.models.MODELS")
+    from largebatch.models import MODELS
+
+    p.add_argument("--model", default="resnet50", help=f"architecture: one of {', '.join(MODELS)}")
     p.add_argument("--width", type=int, default=64, help="channels of the first stage")
     p.add_argument("--image-size", type=int, default=128, help="square input size in pixels")
     p.add_argument("--classes", type=int, default=1000, help="output classes")
@@ -216,12 +218,13 @@ def main(argv: list[str]) -> int:
     if set(peers) - set(PEERS):
         raise UserError(f"--peers has {sorted(set(peers) - set(PEERS))}; choose from {', '.join(PEERS)}.")
     check_numbers(*((f"--{n}", getattr(args, n), getattr(args, n) >= 1, "1 or more")
-                    for n in ("batch", "steps", "rounds", "width", "classes")),
-                  ("--threads", args.threads, args.threads is None or args.threads >= 1, "1 or more"),
+                    for n in ("batch", "steps", "rounds", "width")),
+                  ("--classes", args.classes, args.classes >= 2, "2 or more (a classifier needs two classes)"),
                   ("--image-size", args.image_size, args.image_size >= 8, "8 or more pixels"),
                   ("--peak-size", args.peak_size, args.peak_size >= 16, "16 or more"))
+    check_threads("--threads", args.threads)
     check_output_path("--json", args.json)
-    from largebatch.models import MODELS, build_model, count_flops
+    from largebatch.models import build_model, count_flops
 
     if args.model not in MODELS:
         raise UserError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)} (--model).")
