@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="largebatch bench speedrun", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--root", default="/usr/share/datasets/fashion-mnist", help="directory of the IDX files")
     p.add_argument("--target", type=float, default=0.94, help="test top-1 to reach")
-    p.add_argument("--budget", type=float, default=600.0, help="training wall-time limit in seconds")
+    p.add_argument("--budget", type=float, default=600.0, help="training wall-time limit in seconds, checked after each epoch (so at least one epoch runs)")
     p.add_argument("--epochs", type=int, default=100, help="epoch limit")
     p.add_argument("--batch", type=int, default=128, help="images per step")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
