@@ -115,22 +115,6 @@ def check_numbers(*checks: tuple[str, float, bool, str]) -> None:
             raise UserError(f"{flag} is {value}; give {need}.")
 
 
-def check_threads(flag: str, threads: int | None) -> None:
-    """Intra-op threads a user gave (None: the default): 1 or more, and at most 8 per core of this host (64 at
-    least), the bound of train.threads; torch.set_num_threads(100000) crashed the process (a segfault)."""
-    if threads is None:
-        return
-    from largebatch.config import THREADS_PER_CORE
-
-    cores = os.cpu_count() or 1
-    most = max(64, THREADS_PER_CORE * cores)
-    if threads < 1:
-        raise UserError(f"{flag} is {threads}; give 1 or more.")
-    if threads > most:
-        raise UserError(f"{flag} is {threads}; this host has {cores} cores, so give at most {most} threads "
-                        f"({THREADS_PER_CORE} per core, 64 at least).")
-
-
 def check_output_path(flag: str, path: str | Path | None, directory: bool = False) -> None:
     """Before any work, in a dry run too: the file (or, with `directory`, the directory) `path` that a
     command writes can be made there, so a bad path neither costs the run nor is promised by a dry run.

@@ -220,12 +220,7 @@ class TrainConfig(Section):
             raise UserError(f"train.label_smoothing is {self.label_smoothing}; it must be in [0, 1).")
         if self.ema is not None and not 0 < self.ema < 1:
             raise UserError(f"train.ema is {self.ema}; it must be in (0, 1) or null.")
-        cores = os.cpu_count() or 1
-        most = max(64, THREADS_PER_CORE * cores)   # like --nproc-per-node (launch.check_worker_count)
-        if self.threads is not None and self.threads > most:
-            raise UserError(f"train.threads is {self.threads}; this host has {cores} cores, so give at most {most} "
-                            f"threads per worker ({THREADS_PER_CORE} per core, 64 at least), or null for cores / "
-                            "local workers.")
+        check_threads("train.threads", self.threads, " per worker", ", or null for cores / local workers")
 
 
 @dataclass
@@ -511,6 +506,21 @@ THREADS_PER_CORE = 8           # train.threads, per core of this host (64 at lea
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0   # comm.timeout_s
 MAX_CYCLES = 1000              # ensemble.cycles
 MAX_EPOCHS = 1_000_000         # schedule.epochs, ensemble.cycle_epochs
+
+
+def check_threads(name: str, threads: Optional[int], unit: str = "", alternative: str = "") -> None:
+    """Intra-op threads a user gave (`name`: the setting or flag; None: the default): 1 or more, and at most
+    `THREADS_PER_CORE` per core of this host (64 at least), like --nproc-per-node (launch.check_worker_count);
+    torch.set_num_threads(100000) crashed the process (a segfault)."""
+    if threads is None:
+        return
+    cores = os.cpu_count() or 1
+    most = max(64, THREADS_PER_CORE * cores)
+    if threads < 1:
+        raise UserError(f"{name} is {threads}; give 1 or more.")
+    if threads > most:
+        raise UserError(f"{name} is {threads}; this host has {cores} cores, so give at most {most} threads{unit} "
+                        f"({THREADS_PER_CORE} per core, 64 at least){alternative}.")
 
 
 def _check_distinct_starts(where: str, phases: list) -> None:

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from largebatch.cli import ArgumentParser, check_threads
+from largebatch.cli import ArgumentParser
+from largebatch.config import check_threads
 from largebatch.config import OptimConfig
 from largebatch.errors import UserError
 from largebatch.models import MODELS, build_model

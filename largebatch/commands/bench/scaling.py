@@ -88,7 +88,8 @@ def main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise UserError(f"--algorithms has {', '.join(bad) or 'nothing'}; choose from {', '.join(ALGORITHMS)}.")
-    from largebatch.cli import check_numbers, check_output_path, check_threads
+    from largebatch.cli import check_numbers, check_output_path
+    from largebatch.config import check_threads
     from largebatch.launch import check_worker_count
 
     check_numbers(("--workers", args.workers, args.workers >= 2, "2 or more"),

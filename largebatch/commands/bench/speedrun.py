@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    from largebatch.cli import check_numbers, check_output_path, check_threads
+    from largebatch.cli import check_numbers, check_output_path
+    from largebatch.config import check_threads
 
     check_numbers(("--batch", args.batch, args.batch >= 1, "1 or more"),
                   ("--epochs", args.epochs, args.epochs >= 1, "1 or more"),

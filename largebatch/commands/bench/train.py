@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from largebatch.commands.bench import machine
-from largebatch.cli import ArgumentParser, check_numbers, check_output_path, check_threads
+from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.config import check_threads
 from largebatch.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
