@@ -2,6 +2,7 @@
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
 import shlex
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -287,3 +288,25 @@ def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_pa
     refused = cli("study", "batch-scaling", "--batches", "32", "--from-tuning", first, "--from-tuning", longer, *tiny)
     assert refused.returncode == 2 and "were tuned differently (epochs)" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_study_cells_under_docs_are_committed_but_never_their_weights() -> None:
+    """A study's per-cell files under docs/large_batch/ are its evidence and what a stopped study resumes from:
+    git must not ignore them (the repository-wide runs/ rule once did), and must ignore their weights."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: no .gitignore rules to check")
+    cell = "docs/large_batch/final/runs/sgd-b64-lr0.5-s0"
+
+    def ignored(rel: str) -> bool:
+        proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", rel], cwd=root, capture_output=True,
+                              text=True)
+        if proc.returncode not in (0, 1):   # 0: ignored, 1: not; anything else is git itself failing
+            pytest.skip(f"git check-ignore could not run here: {proc.stderr.strip()}")
+        return proc.returncode == 0
+
+    for name in ("summary.json", "metrics.jsonl", "config.yaml", "train.log"):
+        assert not ignored(f"{cell}/{name}"), name
+    for name in ("checkpoints/step_00000100.pt", "snapshots/snapshot_1.pt", "model.pt"):
+        assert ignored(f"{cell}/{name}"), name
+    assert ignored("runs/fashion_mnist-20261125/summary.json")   # a user's own runs stay out
