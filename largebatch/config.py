@@ -169,7 +169,8 @@ class OptimConfig(Section):
 class ScheduleConfig(Section):
     epochs: float = _doc(10.0, "training epochs")
     warmup_epochs: float = _doc(2.0, "gradual linear warm-up (per step) from warmup_start_lr to the peak lr")
-    warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal)")
+    warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal), or the "
+                                                 "peak lr where that is lower (a batch below reference_batch)")
     decay: str = _choices("cosine", "step", "poly", "constant", doc="decay after warm-up")
     milestones: list = _doc([30, 60, 80], "epochs at which step decay multiplies the lr by gamma")
     gamma: float = _doc(0.1, "step decay factor, in (0, 1]")

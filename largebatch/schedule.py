@@ -7,7 +7,8 @@ step number to continue the same schedule, batch phase and data position.
    lr * sqrt(B / 256) (sqrt), per phase when the global batch B changes (batch-size
    control, Sony / Smith et al.), unless the phase gives its own lr.
 2. Gradual warm-up: per step, linearly from `warmup_start_lr` (default: the unscaled lr,
-   0.1 in Goyal's recipe) to the peak lr over `warmup_epochs` epochs.
+   0.1 in Goyal's recipe, or the peak lr where that is lower, so a batch below the reference
+   batch gets no warm-down) to the peak lr over `warmup_epochs` epochs.
 3. Decay after warm-up as a function of the epoch (a float: step / steps_per_epoch):
    step (x gamma at each milestone), poly (to end_lr with `power`, 2 for LARS),
    cosine (to end_lr), or constant.
@@ -181,6 +182,9 @@ class Plan:
             step += phase.steps
         self.phases = phases
         self.total_steps = step
+        if schedule_cfg.warmup_start_lr is None:   # Goyal's warm-up climbs from the unscaled lr to k times it; with
+            self.start_lr = min(self.start_lr, phases[0].peak_lr)   # k < 1 (a batch below reference_batch) it
+            # would fall from above the peak: start at the peak instead, no warm-down
         if self.total_steps <= 0:
             raise UserError("the schedule has no training steps; train for more epochs or use a smaller batch.")
         self.segments: list[Segment] = self._segments() if self.ensemble else []

@@ -101,3 +101,20 @@ def test_progressive_resizing():
     assert y.shape == (2, 1, 20, 20) and y.dtype == torch.float32
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(y, torch.ones_like(y))          # a flat image stays flat, in [0, 1] units
+
+
+def test_default_warmup_never_starts_above_the_peak():
+    """Goyal's default warm-up starts at the unscaled lr (the lr of reference_batch) and climbs to k times it.
+    Below the reference batch (k < 1) it used to start above the peak and fall: batch 64 at lr 0.5 per 256
+    began at 0.5 and fell to 0.125 over the warm-up. It starts at the peak there now."""
+    def plan(batch: int) -> Plan:
+        return Plan(BatchConfig(global_batch=batch), OptimConfig(lr=0.5, reference_batch=256),
+                    ScheduleConfig(epochs=4, warmup_epochs=1, decay="step", milestones=[3]),
+                    world_size=2, train_size=60000)
+    small, large = plan(64), plan(512)
+    assert small.lr(0) == pytest.approx(0.125) and max(small.lr(s) for s in range(small.total_steps)) == \
+        pytest.approx(0.125)
+    assert large.lr(0) == pytest.approx(0.5) and large.lr(large.step_at_epoch(1.0)) == pytest.approx(1.0)
+    explicit = Plan(BatchConfig(global_batch=64), OptimConfig(lr=0.5, reference_batch=256),
+                    ScheduleConfig(epochs=4, warmup_epochs=1, warmup_start_lr=0.5), world_size=2, train_size=60000)
+    assert explicit.lr(0) == pytest.approx(0.5)   # an explicit start is the user's
