@@ -14,7 +14,8 @@ the sub-groups of `largebatch.comm.groups`.
 
 On gloo, step 2 is an ``all_to_all_single`` of the K chunks (the same bytes per rank as a ring
 reduce-scatter) whose receiver adds them: gloo's ``reduce_scatter_tensor`` costs more than its whole
-``all_reduce`` (16 MB on 2 processes of one host: 53 ms against 19 ms; the exchange and the sum 22 ms).
+``all_reduce`` (16 MB on 2 processes of one host: 19.0 ms against 13.1, the exchange and the sum 9.2 ms;
+scripts/gloo_collectives.py).
 
 `allreduce` pipelines over pieces with ``async_op=True`` work handles, from one thread: every
 piece's reduce-scatter is issued first, then, in piece order, each piece's cross step as soon as
@@ -79,6 +80,27 @@ def _flat_group(local: Group, cross: Group, cross_p2p: Optional[Cross]) -> Optio
     return None
 
 
+def _scatter(buf: torch.Tensor, out: torch.Tensor, local: Group
+             ) -> tuple[Optional[dist.Work], Optional[torch.Tensor]]:
+    """Step 2 started: ``out`` is to get this rank's chunk of ``buf`` summed over the local group. Returns the
+    work (None when the local group is one rank: copied at once) and, on gloo, the exchanged chunks that
+    `_scatter_done` adds (gloo's reduce-scatter costs more than its all-reduce)."""
+    group, ranks, _ = local
+    if len(ranks) == 1:
+        out.copy_(buf)
+        return None, None
+    if dist.get_backend(group) == "gloo":
+        recv = torch.empty_like(buf)
+        return dist.all_to_all_single(recv, buf, group=group, async_op=True), recv
+    return _reduce_scatter(out, buf, group=group, async_op=True), None
+
+
+def _scatter_done(out: torch.Tensor, recv: Optional[torch.Tensor]) -> None:
+    """Step 2 finished, after its work: on gloo, the sum of the exchanged chunks into ``out``."""
+    if recv is not None:
+        torch.sum(recv.view(-1, out.numel()), dim=0, out=out)
+
+
 def _cross_native(chunk: torch.Tensor, cross: Group, async_op: bool):
     group, ranks, _ = cross
     if len(ranks) == 1:
@@ -107,29 +129,21 @@ def allreduce(flat: torch.Tensor, local: Group, cross: Group, codec: Codec, piec
     lg, lranks, _ = local
     k = len(lranks)
     wire = codec.wire_dtype(flat.dtype)
-    exchange = k > 1 and dist.get_backend(lg) == "gloo"
     cut = bounds(flat.numel(), max(1, min(pieces, flat.numel())))
     bufs, outs, recvs, works = [], [], [], []
     for j in range(len(cut) - 1):                                               # 1.-2.
         buf = _padded(flat[cut[j]:cut[j + 1]], k, wire)
         out = torch.empty(buf.numel() // k, dtype=wire, device=flat.device)
-        recv = torch.empty_like(buf) if exchange else None
-        if exchange:   # gloo's reduce-scatter costs more than its all-reduce: exchange the chunks and add
-            works.append(dist.all_to_all_single(recv, buf, group=lg, async_op=True))
-        elif k > 1:
-            works.append(_reduce_scatter(out, buf, group=lg, async_op=True))
-        else:
-            works.append(None)
-            out.copy_(buf)
+        work, recv = _scatter(buf, out, local)
         bufs.append(buf)
         outs.append(out)
         recvs.append(recv)
+        works.append(work)
     cross_works: list[Optional[dist.Work]] = []
     for out, recv, work in zip(outs, recvs, works):                             # 3.
         if work is not None:
             work.wait()
-        if recv is not None:
-            torch.sum(recv.view(k, -1), dim=0, out=out)
+        _scatter_done(out, recv)
         if cross_p2p is not None:
             cross_p2p(out, cross[1], cross[2], cross[0], _lossless(out.dtype))
             cross_works.append(None)
@@ -214,22 +228,16 @@ class Chain:
         wire = codec.wire_dtype(buffer.dtype)
         buf = _padded(buffer, k, wire)
         out = torch.empty(buf.numel() // k, dtype=wire, device=buffer.device)
-        recv = None
-        if k > 1 and dist.get_backend(self.local[0]) == "gloo":                 # 2., autograd thread
-            # gloo's reduce-scatter has no future: exchange the chunks (the same bytes) and add them
-            recv = torch.empty_like(buf)
-            fut = dist.all_to_all_single(recv, buf, group=self.local[0], async_op=True).get_future()
-        elif k > 1:
-            fut = _reduce_scatter(out, buf, group=self.local[0], async_op=True).get_future()
+        work, recv = _scatter(buf, out, self.local)                             # 2., autograd thread
+        if work is not None:
+            fut = work.get_future()
         else:
-            out.copy_(buf)
             fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
             fut.set_result([out])
 
         def cross_step(f: torch.futures.Future) -> torch.Tensor:                # 3., in bucket order
             f.wait()
-            if recv is not None:
-                torch.sum(recv.view(k, -1), dim=0, out=out)
+            _scatter_done(out, recv)
             self._cross_turns.wait(ticket)
             try:
                 if self.cross_p2p is not None:

@@ -46,7 +46,7 @@ PIECE_BYTES = 4 << 20
 MAX_PIECES = 8
 # The native-composed form issues its pieces as work handles, so a piece costs a queue entry, not a Python
 # round trip, and smaller pieces expose less of the first reduce-scatter and the last all-gather: on 2 hosts
-# x 2 at 1 Gbit/s, torus2d:native at 16 MB reached 1.36x native's busbw with 4 pieces, 1.46x with 16
+# x 2 at 1 Gbit/s, torus2d:native at 16 MB reached 1.40x native's busbw with 8 pieces, 1.46x with 16
 # (docs/communication.md).
 COMPOSED_PIECE_BYTES = 1 << 20
 COMPOSED_MAX_PIECES = 32

@@ -21,12 +21,13 @@ def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
-def parse_grid(grid: str) -> tuple[int, int]:
-    """``"XxY"`` -> ``(X, Y)``; anything else is a UserError."""
+def parse_grid(grid: str, flag: str | None = None) -> tuple[int, int]:
+    """``"XxY"`` -> ``(X, Y)``; anything else is a UserError naming comm.grid, or ``flag`` where the grid came
+    from a command-line flag."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(grid))
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise UserError(f"torus2d grid {grid!r} is not of the form XxY with positive X and Y "
-                        f"(e.g. grid='2x2'); set comm.grid accordingly.")
+        raise UserError(f"{flag or 'torus2d grid'} {grid!r} is not of the form XxY with positive X and Y "
+                        f"(e.g. 2x2); set {flag or 'comm.grid'} accordingly.")
     return int(m.group(1)), int(m.group(2))
 
 

@@ -183,10 +183,9 @@ def _sweep(args) -> int:
 
 def _validate(args) -> None:
     """Every number a user gives is checked here, one sentence each (a negative price gave a negative cost)."""
-    from largebatch.models import MODELS
+    from largebatch.models import check_model_name
 
-    if args.model not in MODELS:   # before build_model, whose sentence names the config key model.name
-        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
+    check_model_name(args.model, "--model")
     for flag, value, low in (("--image-size", args.image_size, 1), ("--in-channels", args.in_channels, 1),
                              ("--num-classes", args.num_classes, 2), ("--width", args.width, 1),
                              ("--devices", args.devices, 1), ("--devices-per-node", args.devices_per_node, 1),

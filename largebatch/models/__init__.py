@@ -29,11 +29,16 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def check_model_name(name: str, key: str = "model.name") -> None:
+    """`name` is one of MODELS; otherwise one sentence naming `key`, the setting or flag it came from."""
+    if name not in MODELS:
+        raise UserError(f"{key} is {name!r}; choose one of: {', '.join(MODELS)}.")
+
+
 def build_model(name: str, num_classes: int, in_channels: int = 3, stem: str = "imagenet",
                 zero_init_residual: bool = True, width: int = 64) -> nn.Module:
     """The model `name` from MODELS; user errors (unknown name, bad stem or sizes) raise UserError."""
-    if name not in MODELS:
-        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (model.name).")
+    check_model_name(name)
     if stem not in STEMS:
         raise UserError(f"unknown stem {stem!r}; choose one of: {', '.join(STEMS)} (model.stem).")
     for key, value in (("num_classes", num_classes), ("in_channels", in_channels), ("width", width)):

@@ -156,12 +156,12 @@ def _validate(args: Any) -> None:
 def _check_layout_flags(args: Any) -> None:
     """--grid and --local-size before the workers start: found by each worker's comm setup, they were named as
     config keys (comm.grid, comm.local_size) once per worker, after the launch."""
+    from largebatch.comm.topology import parse_grid
+
     positions = None
     if args.grid is not None:
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", args.grid)
-        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise UserError(f"--grid {args.grid!r} is not of the form XxY with positive X and Y; give e.g. --grid 2x2.")
-        positions = int(m.group(1)) * int(m.group(2))
+        x, y = parse_grid(args.grid, "--grid")
+        positions = x * y
     if _under_torchrun():   # the world is the launcher's; the workers check the layout against it
         return
     used = {split_name(name)[0] for name in args.algorithms}

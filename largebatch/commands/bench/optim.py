@@ -16,10 +16,9 @@ import time
 import torch
 
 from largebatch.cli import ArgumentParser
-from largebatch.config import check_threads
-from largebatch.config import OptimConfig
+from largebatch.config import OptimConfig, check_threads
 from largebatch.errors import UserError
-from largebatch.models import MODELS, build_model
+from largebatch.models import MODELS, build_model, check_model_name
 from largebatch.optim import OPTIMIZERS, build_optimizer
 
 
@@ -51,8 +50,7 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be at least 1.")
     check_threads("--threads", args.threads)
-    if args.model not in MODELS:   # before build_model, whose sentence names the config key model.name
-        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
+    check_model_name(args.model, "--model")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UserError(f"--device is {args.device!r}; give cpu or cuda (or cuda:N).")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

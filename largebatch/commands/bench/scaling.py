@@ -101,10 +101,10 @@ def main(argv: list[str]) -> int:
     # train.threads) after the whole baseline
     check_worker_count("--workers", args.workers, low=2)
     check_threads("--threads", args.threads)
+    from largebatch.models import check_model_name
     from largebatch.models.classifier import check_input_size
 
-    if args.model not in MODELS:
-        raise UserError(f"--model is {args.model!r}; choose one of: {', '.join(MODELS)}.")
+    check_model_name(args.model, "--model")
     # before any worker starts: the model takes --image-size (the runs' model.stem is auto: small up to 64 px)
     check_input_size(args.model, args.image_size, "--image-size", stem="small" if args.image_size <= 64 else "imagenet")
     check_output_path("--json", args.json)

@@ -225,10 +225,9 @@ def main(argv: list[str]) -> int:
                   ("--peak-size", args.peak_size, args.peak_size >= 16, "16 or more"))
     check_threads("--threads", args.threads)
     check_output_path("--json", args.json)
-    from largebatch.models import build_model, count_flops
+    from largebatch.models import build_model, check_model_name, count_flops
 
-    if args.model not in MODELS:
-        raise UserError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)} (--model).")
+    check_model_name(args.model, "--model")
     specs = {name: parse_config(name) for name in args.configs.split(",") if name}
     if not specs:
         raise UserError("--configs is empty; give at least one configuration, e.g. fp32-cl.")
