@@ -98,13 +98,20 @@ def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path)
     assert study._noise_scale(tmp_path / "missing") is None
 
 
-def test_a_study_continues_with_a_grown_lr_grid_only():
-    old = {"recipe": "fashion_mnist", "epochs": 8, "lr_grid": ["lars:1,2,4", "sgd:0.5"]}
+def test_a_study_continues_with_a_grown_lr_grid_or_tuning_list_only():
+    old = {"recipe": "fashion_mnist", "epochs": 8, "lr_grid": ["lars:1,2,4", "sgd:0.5"], "from_tuning": None}
     grown = {**old, "lr_grid": ["lars:1,2,4,8", "sgd:0.5"]}
     assert study.same_study(old, grown, ["sgd", "lars"])
     assert study.same_study(old, old, ["sgd", "lars"])
     assert not study.same_study(grown, old, ["sgd", "lars"])                      # a value dropped
     assert not study.same_study(old, {**grown, "epochs": 9}, ["sgd", "lars"])       # anything else changed
+    # a final study takes a tuning study added at the end of its --from-tuning list (a re-run, a cell tuned later)
+    final = {"recipe": "fashion_mnist", "epochs": 24, "lr_grid": [], "from_tuning": "t/a, t/b"}
+    assert study.same_study(final, {**final, "from_tuning": "t/a, t/b, t/rerun"}, ["sgd"])
+    assert not study.same_study(final, {**final, "from_tuning": "t/a"}, ["sgd"])               # one dropped
+    assert not study.same_study(final, {**final, "from_tuning": "t/rerun, t/a, t/b"}, ["sgd"])  # not at the end
+    assert not study.same_study(final, {**final, "from_tuning": "t/a, t/bc"}, ["sgd"])
+    assert not study.same_study({**final, "from_tuning": None}, final, ["sgd"])       # a grid study is not a final
 
 
 def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_path):
@@ -277,6 +284,11 @@ def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_pa
     assert study.chosen_lrs_of([first, later, edge]) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
     assert study.chosen_lrs_of([edge, later, first]) == study.chosen_lrs_of([first, later, edge])
     assert study.chosen_lrs_of([]) is None
+    # a later study's cell at the same batch, optimizer and lr is a re-run (e.g. after a fix): it replaces the
+    # earlier one, which no longer counts
+    rerun = tuning("rerun", [(32, "sgd", 0.8, 0.5), (32, "sgd", 0.05, 0.72)])
+    assert study.chosen_lrs_of([first, later, edge, rerun]) == {(32, "sgd"): 0.05, (16, "sgd"): 0.1}
+    assert study.chosen_lrs_of([rerun, first, later, edge]) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
     tiny = ["--optimizers", "sgd", "--epochs", "1", "--nproc-per-node", "1", "--set", "data.dataset=synthetic",
             "--set", "data.synthetic_size=160", "--set", "data.image_size=8", "--set", "model.width=4",
             "--dry-run", "--out", tmp_path / "final"]

@@ -93,8 +93,16 @@ def lr_grid(items: list[str], optimizers: list[str]) -> dict[str, list[float]]:
 
 def same_study(old: dict, new: dict, optimizers: list[str]) -> bool:
     """Whether `new` settings continue the study stored with `old`: everything equal, except that the lr grid
-    may grow (an optimum at the grid's edge is extended without re-running the cells already done)."""
-    if {k: v for k, v in old.items() if k != "lr_grid"} != {k: v for k, v in new.items() if k != "lr_grid"}:
+    may grow (an optimum at the grid's edge is extended without re-running the cells already done), and so may
+    the list of --from-tuning studies, at its end (a cell tuned later or re-run: the cells whose choice it
+    changes run at the new lr, the others are kept)."""
+    grows = ("lr_grid", "from_tuning")
+    if {k: v for k, v in old.items() if k not in grows} != {k: v for k, v in new.items() if k not in grows}:
+        return False
+    tuned_before, tuned_after = old.get("from_tuning") or "", new.get("from_tuning") or ""
+    if tuned_before and tuned_after != tuned_before and not tuned_after.startswith(tuned_before + ", "):
+        return False
+    if tuned_after and not tuned_before:   # a grid study does not become a final one
         return False
     before = lr_grid(old.get("lr_grid") or [], optimizers)
     after = lr_grid(new.get("lr_grid") or [], optimizers)
@@ -165,11 +173,13 @@ def chosen_lrs(tuning_json: Path) -> dict[tuple[int, str], float | None]:
 def chosen_lrs_of(tuning_outs: list[Path]) -> dict[tuple[int, str], float | None] | None:
     """The choices of all the --from-tuning studies together (None without one): each (batch, optimizer)'s lr
     with the best mean validation top-1 over every cell of them. So a tuning study is extended by another of
-    the same protocol: a batch tuned later, or lr values beyond a grid's edge. Studies of different protocols
-    (epochs, settings, validation split) are one sentence: their top-1s do not compare."""
+    the same protocol: a batch tuned later, or lr values beyond a grid's edge. A cell of a later study at the
+    batch, optimizer and lr of an earlier one's replaces it: a re-run (e.g. after a fix) supersedes, so the order
+    of the studies matters only there. Studies of different protocols (epochs, settings, validation split) are
+    one sentence: their top-1s do not compare."""
     if not tuning_outs:
         return None
-    rows: list[tuple[int, str, float, float | None]] = []
+    rows: dict[tuple[int, str, float | None], tuple[int, str, float, float | None]] = {}
     first: tuple[Path, dict] | None = None
     for out in tuning_outs:
         data, more = _tuning_rows(out / "study.json")
@@ -180,8 +190,10 @@ def chosen_lrs_of(tuning_outs: list[Path]) -> dict[tuple[int, str], float | None
             differ = ", ".join(k for k in TUNING_PROTOCOL if protocol[k] != first[1][k])
             raise UserError(f"--from-tuning: {first[0]} and {out} were tuned differently ({differ}), so their "
                             "validation top-1s do not compare; give tuning studies of one protocol.")
-        rows += more
-    return _best(rows)
+        for batch, opt, top1, lr in more:
+            rows.pop((batch, opt, lr), None)            # a re-run replaces, and is listed where it was run
+            rows[(batch, opt, lr)] = (batch, opt, top1, lr)
+    return _best(rows.values())
 
 
 def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict[str, list[float]],
