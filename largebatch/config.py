@@ -234,7 +234,8 @@ class CommConfig(Section):
     pipeline: Optional[int] = _doc(None, "torus2d/hierarchical: pieces per bucket overlapped across the two levels "
                                          "(null = one per 4 MB, 1 = off)")
     impl: Optional[str] = _doc(None, "torus2d/hierarchical: 'native' (the backend's reduce-scatter, all-reduce and "
-                                     "all-gather, future-chained, no thread) or 'p2p' (point-to-point steps; the default)")
+                                     "all-gather, future-chained, no thread; the default) or 'p2p' (point-to-point "
+                                     "steps on a communication thread)")
     local_size: Optional[int] = _doc(None, "hierarchical: processes per node (default: torchrun's LOCAL_WORLD_SIZE)")
     inter: Optional[str] = _doc(None, "hierarchical: cross-node all-reduce, halving_doubling (default), ring or native")
     small_bytes: Optional[int] = _doc(None, "p2p algorithms: buckets below this many bytes use native "

@@ -5,7 +5,7 @@
 #   scripts/bench_comm.sh [OUTDIR]      # default OUTDIR: docs/communication_data
 #
 # Writes OUTDIR/communication_1x4.{json,png}, communication_2x2.{json,png},
-# communication_training.json, cluster_training.json and the printed tables to OUTDIR/communication_bench.log;
+# communication_training.json, ddp_step_native.json, cluster_training.json and the printed tables to OUTDIR/communication_bench.log;
 # prints the load average before and after and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,9 @@ step "$LB" cluster run --nodes 2 --procs-per-node 2 --inter-node-gbit 1 -- \
 
 # 3. exposed communication per DDP training step (default fast path), 1 host x 4.
 step "$LB" bench allreduce --nproc 4 --training --width 16 --rounds 5 --steps 20 --json "$OUT/communication_training.json"
+# 3b. the native-composed hooks against DDP's own all-reduce only, more rounds (the 1x4 DDP-step goal).
+step "$LB" bench allreduce --nproc 4 --training --width 16 --rounds 20 --steps 20 \
+    --algorithms torus2d:native hierarchical:native --json "$OUT/ddp_step_native.json"
 
 # 4. a real training across the 2 namespaced hosts x 2 at 1 Gbit/s (default recipe, 150 steps), back to back:
 #    flat native against hierarchical in both forms; images/s from each run's summary.json.

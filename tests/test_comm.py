@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from largebatch import comm
+from largebatch.algorithms import DEFAULT_IMPL, TWO_LEVEL
 from largebatch.errors import UserError
 
 COMPRESSIONS = ("none", "fp16", "bf16")
@@ -103,7 +104,8 @@ def _check_ddp(p: int, rank: int) -> None:
         state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
         if state is not None and hook != "noop":         # the backend's own collectives need no thread
             assert (state._thread is None) == state.chained, (hook, extra)
-            assert state.chained == (hook == "native" or extra.get("impl") == "native"), (hook, extra)
+            impl = extra.get("impl", DEFAULT_IMPL) if hook in TWO_LEVEL else None
+            assert state.chained == (hook == "native" or impl == "native"), (hook, extra)
         out = []
         for it in range(2):
             g = torch.Generator().manual_seed(100 * it + rank)
@@ -134,7 +136,8 @@ def _check_ddp(p: int, rank: int) -> None:
                        ("torus2d", {"impl": "native"}),                          # 1 x p: the column step is
                        ("hierarchical", {"impl": "native", "local_size": p, "inter": "native"}),
                        ("hierarchical", {"impl": "native", "inter": "halving_doubling"})]
-    for algorithm, extra in [(a, {}) for a in comm.ALGORITHMS] + native_composed:
+    p2p_forms = [(a, {"impl": "p2p"}) for a in TWO_LEVEL]                       # on the communication thread
+    for algorithm, extra in [(a, {}) for a in comm.ALGORITHMS] + p2p_forms + native_composed:
         for compression in COMPRESSIONS:
             got = grads(algorithm, compression, **extra)
             atol = 1e-6 if compression == "none" else (p + 3) * UNIT_ROUNDOFF[compression] * float(biggest)
@@ -171,31 +174,32 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
     try:
         lengths = sorted({1, max(1, p - 1), p + 1, 1009, 262147})    # 262147 floats ~ 1 MB, prime
         case = 0
-        for algorithm in comm.ALGORITHMS:
-            for compression in COMPRESSIONS:
+        for algorithm, impl in [(a, {}) for a in comm.ALGORITHMS] + [(a, {"impl": "p2p"}) for a in TWO_LEVEL]:
+            for compression in COMPRESSIONS:                # torus2d and hierarchical: the default (native), and p2p
                 for n in lengths:
                     if compression != "none" and (n > 100_000 or (p >= 6 and n != 1009)):
                         continue                            # runtime: lossy at 1 MB never, at p >= 6 on 1009 only
                     case += 1
-                    _check(p, rank, n, case, algorithm, compression)
+                    _check(p, rank, n, case, algorithm, compression, **impl)
         for grid in GRIDS[p]:
             for n in (p + 1, 1009, 65537):
                 case += 1
-                _check(p, rank, n, case, "torus2d", grid=grid)
-            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid)
+                _check(p, rank, n, case, "torus2d", grid=grid, impl="p2p")
+            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid, impl="p2p")
             for pieces in (3, 7):                       # pipelined: pieces of 65537 elements, and more pieces than some chunks
                 case += 1
-                _check(p, rank, 65537 if pieces == 3 else p + 1, case, "torus2d", grid=grid, pipeline=pieces)
-            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, pipeline=3)
+                _check(p, rank, 65537 if pieces == 3 else p + 1, case, "torus2d", grid=grid, pipeline=pieces,
+                       impl="p2p")
+            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, pipeline=3, impl="p2p")
         for k in LOCAL_SIZES[p]:
             for inter in ("halving_doubling", "ring", "native"):
                 case += 1
-                _check(p, rank, 1009, case, "hierarchical", local_size=k, inter=inter)
-            _check(p, rank, 4099, case, "hierarchical", "bf16", local_size=k)
+                _check(p, rank, 1009, case, "hierarchical", local_size=k, inter=inter, impl="p2p")
+            _check(p, rank, 4099, case, "hierarchical", "bf16", local_size=k, impl="p2p")
             for inter in ("halving_doubling", "native"):
                 case += 1
-                _check(p, rank, 65537, case, "hierarchical", local_size=k, inter=inter, pipeline=4)
-            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, pipeline=3)
+                _check(p, rank, 65537, case, "hierarchical", local_size=k, inter=inter, pipeline=4, impl="p2p")
+            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, pipeline=3, impl="p2p")
         # native-composed two-level forms (the backend's reduce-scatter / all-reduce / all-gather)
         for grid in GRIDS[p]:
             for n, pieces in ((p + 1, 1), (65537, 1), (65537, 3), (p + 1, 7)):

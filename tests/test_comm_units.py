@@ -65,9 +65,12 @@ def test_cost_is_the_perf_model_on_measured_links() -> None:
     n = 4000
     assert cost.predict("ring", n, topo) == ring.cost(n, topo) == cost.predict("native", n, topo)
     assert cost.predict("halving_doubling", n, topo) == halving_doubling.cost(n, topo)
-    assert cost.predict("torus2d", n, topo) == torus2d.cost(n, topo, 2)          # default grid K x nodes
-    assert cost.predict("torus2d", n, topo, grid="4x1") == torus2d.cost(n, topo, 4)
-    assert cost.predict("hierarchical", n, topo, inter="ring") == hierarchical.cost(n, topo, "ring")
+    assert cost.predict("torus2d", n, topo, impl="p2p") == torus2d.cost(n, topo, 2)          # default grid K x nodes
+    assert cost.predict("torus2d", n, topo, grid="4x1", impl="p2p") == torus2d.cost(n, topo, 4)
+    assert cost.predict("hierarchical", n, topo, inter="ring", impl="p2p") == hierarchical.cost(n, topo, "ring")
+    big = 64 << 20   # the default implementation is the native-composed one: its own pieces, queued stages
+    assert cost.predict("torus2d", big, topo) == cost.predict("torus2d", big, topo, impl="native")
+    assert cost.predict("torus2d", big, topo) != cost.predict("torus2d", big, topo, impl="p2p")
     # below small_bytes a p2p algorithm runs (and is predicted as) native
     assert cost.predict("halving_doubling", n, topo, small_bytes=n + 1) == ring.cost(n, topo)
     assert cost.predict("halving_doubling", n, topo, small_bytes=n) == halving_doubling.cost(n, topo)
@@ -184,7 +187,7 @@ def test_pipelined_timeline() -> None:
     assert hierarchical.cost(n, two_nodes, pieces=8) < hierarchical.cost(n, two_nodes, pieces=1)
     one_node = Topology(4, 4, fast, fast)                                    # no cross level: pieces ignored
     assert hierarchical.cost(n, one_node, pieces=8) == hierarchical.cost(n, one_node, pieces=1)
-    assert pieces_for(None, 64 << 20) == 8 and pieces_for(None, 1 << 20) == 1
+    assert pieces_for(None, 64 << 20, "p2p") == 8 and pieces_for(None, 1 << 20, "p2p") == 1
     # queued pieces (the native-composed form's work handles) pay each stage's latency once
     from largebatch.perf.topology import staged
 
@@ -197,7 +200,7 @@ def test_pipelined_timeline() -> None:
     slow_latency = Topology(4, 2, Link("i", 1e-3, 1e9), Link("e", 1e-3, 1e8))
     assert (hierarchical.cost(n, slow_latency, "native", pieces=32, queued=True)
             < hierarchical.cost(n, slow_latency, "native", pieces=32))
-    assert pieces_for(3, 1 << 20) == 3
+    assert pieces_for(3, 1 << 20, "p2p") == 3
     # the native-composed form: smaller pieces (work handles, no Python round trip per piece)
     assert pieces_for(None, 16 << 20, "native") == 16 and pieces_for(None, 1 << 30, "native") == 32
     assert pieces_for(None, 512 << 10, "native") == 1 and pieces_for(3, 16 << 20, "native") == 3

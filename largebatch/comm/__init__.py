@@ -13,11 +13,11 @@ hierarchical       node reduce-scatter, cross-node all-reduce, node all-gather
 
 Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
 `largebatch.comm.compression`), ``grid="XxY"`` (torus2d), ``local_size=K`` and
-``inter=halving_doubling|ring|native`` (hierarchical), ``impl=p2p|native`` (torus2d and
-hierarchical: point-to-point steps, or composed of the backend's own collectives,
-`largebatch.comm.composed`), ``pipeline=N`` (torus2d and
+``inter=halving_doubling|ring|native`` (hierarchical), ``impl=native|p2p`` (torus2d and
+hierarchical: composed of the backend's own collectives, `largebatch.comm.composed`, the default; or
+point-to-point steps), ``pipeline=N`` (torus2d and
 hierarchical: pieces overlapped across the two levels, `largebatch.comm.pipeline`;
-default one per 4 MB, 1 = no overlap), ``small_bytes=B`` (every
+default one per 1 MB for native, per 4 MB for p2p, 1 = no overlap), ``small_bytes=B`` (every
 p2p algorithm: tensors of fewer than ``B`` bytes go to ``native`` instead, the
 small-message fast path; default `SMALL_BYTES`, 0 turns it off). ``None`` values
 are ignored, so a config section can pass all its fields; a set option that the

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS
+from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, HOOK_ONLY, IMPLS
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -37,9 +37,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "native": {},
     "ring": {"small_bytes": SMALL_BYTES},
     "halving_doubling": {"small_bytes": SMALL_BYTES},
-    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES, "impl": "p2p"},
+    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES, "impl": DEFAULT_IMPL},
     "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES,
-                     "impl": "p2p"},
+                     "impl": DEFAULT_IMPL},
 }
 assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.algorithms.ALLREDUCE names every algorithm here"
 

@@ -22,8 +22,8 @@ overlap the cross-node all-reduce of another.
 
 ``impl="native"`` runs steps 1 and 3 as the backend's ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` on the node group, and step 2 as its ``all_reduce`` (``inter="native"``)
-or the p2p algorithm named by ``inter`` (`largebatch.comm.composed`); ``impl="p2p"`` (the
-default) runs steps 1 and 3 as point-to-point rings.
+or the p2p algorithm named by ``inter`` (`largebatch.comm.composed`; the default); ``impl="p2p"``
+runs steps 1 and 3 as point-to-point rings.
 
 Differs from `torus2d` (same data movement with a ring across nodes) by the
 cross-node algorithm: with halving/doubling its latency term is
@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from largebatch.algorithms import DEFAULT_IMPL
 from largebatch.comm import composed, halving_doubling, native, ring
 from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
 from largebatch.comm.compression import Codec
@@ -56,7 +57,7 @@ def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[i
 
 def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
               codec: Codec, local_size: Optional[int] = None, inter: str = "halving_doubling",
-              pipeline: Optional[int] = None, impl: str = "p2p") -> None:
+              pipeline: Optional[int] = None, impl: str = DEFAULT_IMPL) -> None:
     """Sum ``flat`` in place over ``group`` with ``local_size`` ranks per node (steps 1-3)."""
     if inter not in INTER:
         raise UserError(f"hierarchical inter={inter!r} is unknown; choose one of: {', '.join(INTER)}.")

@@ -27,7 +27,7 @@ with a ``torch.futures.Future`` that the thread completes. Why a thread:
 5. The thread divides the summed bucket by the world size (DDP averages); lossy
    compression pre-divides instead (no fp16 overflow) and skips the multiply.
 
-``native``, and ``torus2d`` / ``hierarchical`` with ``impl="native"``, need none of this: their
+``native``, and ``torus2d`` / ``hierarchical`` with ``impl="native"`` (their default), need none of this: their
 steps are the backend's own asynchronous collectives, so the hook issues the first one and returns
 its future, chained with ``then`` to the next steps (`largebatch.comm.composed`), as torch's own
 ``allreduce_hook`` and PowerSGD hook do. No thread is started for them.

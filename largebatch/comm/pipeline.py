@@ -58,7 +58,7 @@ Group = tuple[Optional[dist.ProcessGroup], list[int], int]   # (subgroup, global
 Cross = Callable[[torch.Tensor, list[int], int, Optional[dist.ProcessGroup], Codec], None]
 
 
-def pieces_for(pieces: Optional[int], nbytes: float, impl: str = "p2p") -> int:
+def pieces_for(pieces: Optional[int], nbytes: float, impl: str) -> int:
     """The piece count of a tensor of ``nbytes``: ``pieces`` as given, or for None one per `PIECE_BYTES`
     (1..`MAX_PIECES`) for the p2p form and one per `COMPOSED_PIECE_BYTES` (1..`COMPOSED_MAX_PIECES`) for the
     native-composed form. The performance model (`largebatch.perf.measured`) uses it too."""
@@ -72,7 +72,7 @@ def resolve_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:
     """Step 1's piece count for ``flat``: `pieces_for`, at most one piece per element, 1 off the CPU."""
     if flat.device.type != "cpu":
         return 1
-    return min(pieces_for(pieces, flat.numel() * flat.element_size()), max(1, flat.numel()))
+    return min(pieces_for(pieces, flat.numel() * flat.element_size(), "p2p"), max(1, flat.numel()))
 
 
 def composed_pieces(pieces: Optional[int], flat: torch.Tensor) -> int:

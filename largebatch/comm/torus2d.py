@@ -16,7 +16,7 @@ the column all-reduce of another.
 
 ``impl="native"`` runs the same three steps as the backend's own collectives
 (`largebatch.comm.composed`: ``reduce_scatter_tensor`` on the row, ``all_reduce`` on the
-column, ``all_gather_into_tensor`` on the row); ``impl="p2p"`` (the default) runs them as the
+column, ``all_gather_into_tensor`` on the row; the default); ``impl="p2p"`` runs them as the
 point-to-point rings above.
 
 Bytes sent per rank equal the ring's, ``2(N-1)/N n``; latency steps are
@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from largebatch.algorithms import DEFAULT_IMPL
 from largebatch.comm import composed, ring
 from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
 from largebatch.comm.compression import Codec
@@ -46,7 +47,7 @@ def setup(group: Optional[dist.ProcessGroup], world: int, grid: Optional[str], g
 
 
 def allreduce(flat: torch.Tensor, ranks: list[int], i: int, group: Optional[dist.ProcessGroup],
-              codec: Codec, grid: Optional[str] = None, pipeline: Optional[int] = None, impl: str = "p2p") -> None:
+              codec: Codec, grid: Optional[str] = None, pipeline: Optional[int] = None, impl: str = DEFAULT_IMPL) -> None:
     """Sum ``flat`` in place over ``group`` arranged as ``grid`` (steps 1-3)."""
     row, col = setup(group, len(ranks), grid)
     if impl == "native":

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 from largebatch.comm.pipeline import pieces_for
 from largebatch.comm.topology import parse_grid
-from largebatch.algorithms import TWO_LEVEL
+from largebatch.algorithms import DEFAULT_IMPL, TWO_LEVEL
 from largebatch.perf.catalog import Link
 from largebatch.perf.topology import Topology
 
@@ -107,7 +107,7 @@ def topology(p: int, local_size: int, intra: Link, inter: Optional[Link], gamma:
 
 def predict(algorithm: str, nbytes: float, topo: Topology, grid: Optional[str] = None,
             inter: str = "halving_doubling", small_bytes: int = 0, local_size: Optional[int] = None,
-            pipeline: Optional[int] = None, backend: str = "gloo", impl: str = "p2p") -> float:
+            pipeline: Optional[int] = None, backend: str = "gloo", impl: str = DEFAULT_IMPL) -> float:
     """Step 4: predicted seconds of one all-reduce of ``nbytes`` on ``topo``.
 
     ``grid`` (torus2d "XxY") defaults to K x nodes like the implementation; ``local_size``, when

@@ -47,11 +47,11 @@ from largebatch import comm
 from largebatch.commands.bench import machine
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.perf import measured as cost
-from largebatch.algorithms import ALLREDUCE, TWO_LEVEL
+from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, IMPLS, TWO_LEVEL
 from largebatch.errors import UserError
 
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-DEFAULT_ALGORITHMS = [*ALLREDUCE, *(f"{a}:native" for a in TWO_LEVEL)]
+DEFAULT_ALGORITHMS = [*(a for a in ALLREDUCE if a not in TWO_LEVEL), *(f"{a}:{i}" for i in IMPLS for a in TWO_LEVEL)]
 
 
 def parse_size(text: str) -> int:
@@ -94,8 +94,9 @@ def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="largebatch bench allreduce", description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=4, help="local worker processes when not under torchrun")
     ap.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
-                    help="algorithms to run (native is always added as the reference); torus2d:native and "
-                         "hierarchical:native run the backend-composed implementation")
+                    help="algorithms to run (native is always added as the reference); torus2d and hierarchical "
+                         f"take :p2p or :native for their implementation (default {DEFAULT_IMPL}; "
+                         "hierarchical:native also crosses nodes with the backend's all-reduce)")
     ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
                     help="wire format of the reduced tensors (fp16/bf16 halve the bytes sent; default none)")
     ap.add_argument("--sizes", default="4KB:64MB", help="LO:HI[:FACTOR] or a comma list (bytes, KB, MB, GB)")
@@ -378,7 +379,7 @@ def _predict(rows: list[dict[str, Any]], links: dict[str, Any], p: int, k: int, 
             continue
         r["predicted_s"] = cost.predict(name, r["bytes"], topo, grid=args.grid if name == "torus2d" else None,
                                         small_bytes=0 if name == "native" else small, pipeline=args.pipeline,
-                                        backend=backend, impl=impl or "p2p")
+                                        backend=backend, impl=impl or DEFAULT_IMPL)
         r["error"] = r["predicted_s"] / r["time_s"] - 1
         r["error_vs_median"] = r["predicted_s"] / r["median_s"] - 1
         f = fits.setdefault(full, {"max_abs_error": 0.0, "within_25pct": 0, "points": 0})
@@ -470,7 +471,9 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
 
     Collective: call on every rank. Returns rows ``{"hook", "step_s", "exposed_comm_s"}``
     with exposed = t(hook) - t(noop): per round, the slowest rank's mean over ``steps``
-    timed steps; rounds interleave the hooks, and the median round is reported.
+    timed steps; rounds interleave the hooks, each round in a rotated order (the same on every rank), so that no
+    hook always runs right after another; ``step_s`` is the median round and ``exposed_comm_s`` the median
+    over rounds of the round's difference to ``noop`` (paired, so that a load drift between rounds cancels).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -499,8 +502,8 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
         for _ in range(warmup):
             step(ddp, opt)
     samples: dict[str, list[float]] = {h: [] for h in hooks}
-    for _ in range(rounds):                         # interleaved rounds: load drifts hit every hook alike
-        for hook, ddp, _, opt in runs:
+    for i in range(rounds):     # interleaved rounds (load drifts hit every hook alike), each in a rotated order
+        for hook, ddp, _, opt in runs[i % len(runs):] + runs[:i % len(runs)]:   # so no hook always follows another
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -521,9 +524,10 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
         rows.append({"hook": hook, "compression": compression if hook not in ("ddp", "noop") else "none",
                      "step_s": statistics.median(samples[hook]), "samples_s": samples[hook],
                      "gradient_MB": grad_mb})
-    base = rows[0]["step_s"]
-    for r in rows:
-        r["exposed_comm_s"] = r["step_s"] - base
+    for r in rows:   # paired: each round's t(hook) - t(noop), so a drift between rounds cancels; median of them
+        per_round = [h - n for h, n in zip(samples[r["hook"]], samples["noop"])]
+        r["exposed_rounds_ms"] = [1e3 * e for e in per_round]
+        r["exposed_comm_s"] = statistics.median(per_round)
         r["exposed_ms"] = 1e3 * r["exposed_comm_s"]
     return rows
 
@@ -531,6 +535,8 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
 def _print_training(rows: list[dict[str, Any]], p: int) -> None:
     print(f"# DDP training step, ResNet-18 ({rows[0]['gradient_MB']:.1f} MB of gradients), {p} processes; "
           f"exposed comm = t(hook) - t(noop)")
-    print(f"{'hook':>17} {'step(ms)':>10} {'exposed comm(ms)':>17}")
+    ddp = next(r["exposed_comm_s"] for r in rows if r["hook"] == "ddp")
+    print(f"{'hook':>19} {'step(ms)':>10} {'exposed comm(ms)':>17} {'vs ddp':>7}")
     for r in rows:
-        print(f"{r['hook']:>17} {r['step_s'] * 1e3:>10.1f} {r['exposed_comm_s'] * 1e3:>17.1f}")
+        ratio = f"{r['exposed_comm_s'] / ddp:>7.2f}" if ddp > 0 and r["hook"] != "noop" else f"{'':>7}"
+        print(f"{r['hook']:>19} {r['step_s'] * 1e3:>10.1f} {r['exposed_comm_s'] * 1e3:>17.1f} {ratio}")
