@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,8 +134,8 @@ class BatchConfig(Section):
                                    "a whole number of epochs >= 0"),
                                   ("global_batch", _is_int(phase["global_batch"]) and phase["global_batch"] > 0,
                                    "a positive integer"),
-                                  ("lr", phase.get("lr") is None or (_is_number(phase["lr"]) and phase["lr"] > 0),
-                                   "a positive number or leave it out")):
+                                  ("lr", phase.get("lr") is None or (_is_number(phase["lr"]) and 0 < phase["lr"] <= MAX_LR),
+                                   f"a positive number of at most {MAX_LR:,.0f}, or leave it out")):
                 if not ok:
                     raise UserError(f"batch.phases[{i}].{key} is {phase[key]!r}; give {need}.")
         _check_distinct_starts("batch.phases", self.phases)
@@ -156,6 +157,9 @@ class OptimConfig(Section):
 
     def validate(self) -> None:
         super().validate()
+        if self.lr > MAX_LR:   # 1e300 planned a peak lr of 2e300, inf at larger batches
+            raise UserError(f"optim.lr is {self.lr:g}; give a learning rate per optim.reference_batch images of at most "
+                            f"{MAX_LR:,.0f} (typical: 0.1 for SGD, 1-30 for LARS, 0.001-0.01 for LAMB).")
         if not 0 <= self.momentum < 1:
             raise UserError(f"optim.momentum is {self.momentum}; it must be in [0, 1).")
         if self.weight_decay >= 1:
@@ -335,9 +339,9 @@ def _type_name(tp: Any) -> str:
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_name(args[0])} or null"
-    if origin in (list, dict):
-        return origin.__name__
-    return getattr(tp, "__name__", str(tp))
+    words = {int: "whole number", float: "number", str: "string", bool: "boolean (true or false)", list: "list",
+             dict: "mapping"}
+    return words.get(origin if origin in (list, dict) else tp, getattr(tp, "__name__", str(tp)))
 
 
 def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
@@ -436,6 +440,16 @@ def resolve_recipe(recipe: str) -> Path:
     return path
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1) with YAML 1.2's floats: 1e-3, 1e4 and 2.5e300 are numbers, not the strings
+    YAML 1.1 makes of an exponent without a dot or a sign, wherever they stand (a key, a list, a batch phase)."""
+
+
+YamlLoader.add_implicit_resolver(   # copies the inherited resolvers first: yaml.SafeLoader is left as it is
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def load_yaml(path: Path, what: str = "recipe") -> dict:
     """A YAML mapping from `path`; every way it can be unreadable is one sentence naming the file."""
     try:
@@ -445,7 +459,7 @@ def load_yaml(path: Path, what: str = "recipe") -> dict:
     except OSError as err:
         raise UserError(f"cannot read {what} {path}: {err.strerror}; check the path and its permissions.") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -465,7 +479,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         dotted, raw = item.split("=", 1)
         section, key = dotted.split(".", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         if section not in SECTIONS:
@@ -508,6 +522,7 @@ THREADS_PER_CORE = 8           # train.threads, per core of this host (64 at lea
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0   # comm.timeout_s
 MAX_CYCLES = 1000              # ensemble.cycles
 MAX_EPOCHS = 1_000_000         # schedule.epochs, ensemble.cycle_epochs
+MAX_LR = 10_000.0              # optim.lr (per reference_batch) and a batch phase's lr; the papers' largest is below 100
 
 
 def check_threads(name: str, threads: Optional[int], unit: str = "", alternative: str = "") -> None:
@@ -554,6 +569,26 @@ def _check_end_lr(cfg: "Config") -> None:
                         f"decay would raise the lr; give at most {peak:g} (0 decays to zero).")
 
 
+def _check_warmup_start(cfg: "Config") -> None:
+    """An explicit schedule.warmup_start_lr is where the gradual warm-up starts, climbing to the first batch
+    phase's peak lr: not above it, or the warm-up would lower the lr (the default never starts above it)."""
+    from largebatch.schedule import scaled_lr
+
+    s, o = cfg.schedule, cfg.optim
+    if s.warmup_start_lr is None or s.warmup_epochs <= 0:
+        return
+    first = min(cfg.batch.phases, key=lambda p: p["start_epoch"]) if cfg.batch.phases else \
+        {"global_batch": cfg.batch.global_batch}
+    peak = first["lr"] if first.get("lr") is not None else \
+        scaled_lr(o.lr, first["global_batch"], o.reference_batch, o.scaling_rule)
+    which = "the first of batch.phases" if cfg.batch.phases else \
+        f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
+    if s.warmup_start_lr > peak:
+        raise UserError(f"schedule.warmup_start_lr is {s.warmup_start_lr:g}, above the peak lr of {peak:g} ({which}), "
+                        f"so the warm-up would lower the lr; give at most {peak:g}, or null for the default (the "
+                        "unscaled lr, or the peak where that is lower).")
+
+
 def _check_sign(where: str, value: float | None, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -567,6 +602,7 @@ def validate(cfg: Config) -> None:
     for name in SECTIONS:
         getattr(cfg, name).validate()
     _check_end_lr(cfg)
+    _check_warmup_start(cfg)
 
 
 def save(cfg: Config, path: Path) -> None:

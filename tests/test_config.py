@@ -30,7 +30,7 @@ def test_set_overrides_convert_types():
 @pytest.mark.parametrize("override, message", [
     ("optim.lrr=0.1", "unknown key optim.lrr (did you mean 'lr'?)"),
     ("optimizer.lr=0.1", "unknown section 'optimizer'"),
-    ("batch.global_batch=big", "batch.global_batch must be a int"),
+    ("batch.global_batch=big", "batch.global_batch must be a whole number"),
     ("optim.lr=-0.1", "optim.lr is -0.1; it must be positive"),
     ("optim.name=adamw", "valid values: sgd, lars, lamb"),
     ("optim.lr", "not of the form section.key=value"),
@@ -60,7 +60,7 @@ def test_cli_bad_inputs(cli, tmp_path):
     _assert_user_error(cli("train", bad_yaml, "--dry-run"), "not valid YAML", "line")
     _assert_user_error(cli("train", "--set", "model.nme=resnet18", "--dry-run"), "unknown key model.nme")
     _assert_user_error(cli("train", "--set", "optim.lr=-1", "--dry-run"), "optim.lr is -1.0")
-    _assert_user_error(cli("train", "--set", "train.seed=1.5", "--dry-run"), "train.seed must be a int")
+    _assert_user_error(cli("train", "--set", "train.seed=1.5", "--dry-run"), "train.seed must be a whole number")
     _assert_user_error(cli("train", "--set", "batch.global_batch=510", "--dry-run", "--world-size", "4"),
                        "not divisible by the world size 4")
     _assert_user_error(cli("train", "--set", "batch.accumulation=3", "--dry-run", "--world-size", "2"),

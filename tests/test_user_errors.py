@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from largebatch import checkpoint, cli as cli_mod
@@ -64,6 +65,9 @@ def _expect(result, *fragments):
     ("data.crop_padding=100000", "data.crop_padding=100000; give smaller values"),
     ("schedule.gamma=5", "schedule.gamma is 5.0; step decay multiplies the lr by gamma"),   # would raise the lr
     ("schedule.end_lr=1.5", "schedule.end_lr is 1.5, above the peak lr of 1 (optim.lr 0.5 scaled to the global batch"),
+    ("optim.lr=1e300", "optim.lr is 1e+300; give a learning rate per optim.reference_batch images of at most 10,000"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 256, lr: 1e300}]", "batch.phases[0].lr is 1e+300; give a positive"),
+    ("schedule.warmup_start_lr=1.5", "schedule.warmup_start_lr is 1.5, above the peak lr of 1 (optim.lr 0.5 scaled"),
     ("comm.timeout_s=1e-7", "comm.timeout_s is 1e-07; give 1 to 604800 seconds"),
     ("comm.timeout_s=1e20", "comm.timeout_s is 1e+20"),   # was an OverflowError in timedelta at the first collective
     ("optim.weight_decay=1e300", "optim.weight_decay is 1e+300; give a value in [0, 1)"),
@@ -72,7 +76,7 @@ def _expect(result, *fragments):
     ("ensemble.cycles=1001", "ensemble.cycles is 1001; give at most 1000 cycles"),
     ("schedule.epochs=1e300", "schedule.epochs is 1e+300; give at most 1,000,000 epochs"),   # was accepted
     ("ensemble.cycle_epochs=1e300", "ensemble.cycle_epochs is 1e+300; give at most 1,000,000"),   # "use longer cycles"
-    ("model.width=1e300", "model.width is 1e300; give a number below 2**63"),   # not the 301-digit integer
+    ("model.width=1e300", "model.width is 1e+300; give a number below 2**63"),   # not the 301-digit integer
 ])
 def test_out_of_range_numbers(main, override, fragment):
     _expect(main("train", "--set", override, "--dry-run"), fragment)
@@ -113,9 +117,20 @@ def test_ensemble_cycles_are_checked_before_the_plan(main, monkeypatch):
             "ensemble.cycles is 100000000; give at most 1000 cycles (0 = off).")
 
 
-def test_yaml_1_1_exponent_floats_are_numbers(main, capsys):
+def test_yaml_1_1_exponent_floats_are_numbers(main, capsys, tmp_path):
     code, _ = main("train", "--set", "optim.lr=1e-3", "--set", "optim.weight_decay=5e-5", "--dry-run")
     assert code == 0
+    # inside lists and mappings too (YAML 1.1 made strings of them there: "batch.phases[0].lr is '1e-3'")
+    from largebatch import config
+
+    cfg = config.load("fashion_mnist", ["batch.phases=[{start_epoch: 0, global_batch: 256, lr: 1e-3}]",
+                                        "schedule.decay=step", "schedule.milestones=[1e0, 2e0]"])
+    assert cfg.batch.phases[0]["lr"] == 0.001 and cfg.schedule.milestones == [1.0, 2.0]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  lr: 2e-1\n  betas: [9e-1, 9.99e-1]\nschedule:\n  epochs: 3\n  decay: cosine\n")
+    cfg = config.load(str(recipe))
+    assert cfg.optim.lr == 0.2 and cfg.optim.betas == [0.9, 0.999]
+    assert yaml.safe_load("lr: 1e-3") == {"lr": "1e-3"}      # PyYAML's own loader is left as it is
 
 
 def test_world_size_and_launcher_arguments(main):
@@ -508,6 +523,7 @@ def test_paths_and_pack_numbers(main, tmp_path):
             _jpeg(src / split / c / "0.jpg", 0)
     for args, fragment in ((["--shard-size-mb", "nan"], "--shard-size-mb is nan"),
                            (["--shard-size-mb", "inf"], "--shard-size-mb is inf"),
+                           (["--shard-size-mb", "1e-300"], "of at least one byte"),   # was 0 bytes: a shard per image
                            (["--seed", str(10**20)], "--seed is 100000000000000000000; give a 64-bit integer")):
         _expect(main("data", "pack", src, tmp_path / "shards", *args), fragment)
         assert not (tmp_path / "shards").exists()
@@ -694,13 +710,13 @@ def test_dry_run_names_the_worker_flag_given(main):
 
 
 def test_yaml_1_1_exponent_integers_are_numbers(main):
-    """YAML 1.1 reads 1e4 as a string: an integer key takes the whole number it is, not 'must be a int'."""
+    """YAML 1.1 reads 1e4 as a string: an integer key takes the whole number it is, not 'must be a whole number'."""
     from largebatch import config
 
     cfg = config.load("fashion_mnist", ["data.synthetic_size=1e4", "train.log_every=1.0e+2"])
     assert cfg.data.synthetic_size == 10000 and cfg.train.log_every == 100
     assert isinstance(cfg.data.synthetic_size, int)
-    _expect(main("train", "--set", "data.synthetic_size=1e-3", "--dry-run"), "data.synthetic_size must be a int")
+    _expect(main("train", "--set", "data.synthetic_size=1e-3", "--dry-run"), "data.synthetic_size must be a whole number, got 0.001")
 
 
 def test_data_paths_are_named_as_given(main, tmp_path):

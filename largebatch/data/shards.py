@@ -144,7 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shard-size-mb", type=float, default=64.0, help="target shard size in MB")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled pack order")
     args = p.parse_args(argv)
-    check_numbers(("--shard-size-mb", args.shard_size_mb, 0 < args.shard_size_mb < math.inf, "a positive size in MB"),
+    check_numbers(("--shard-size-mb", args.shard_size_mb, 2**-20 <= args.shard_size_mb < math.inf,
+                   "a size in MB of at least one byte (2**-20 MB), e.g. 64"),
                   ("--seed", args.seed, -2**63 <= args.seed < 2**64, "a 64-bit integer"))
     if not args.src.is_dir():   # named as the argument it is (the ImageFolder reader names its config key data.root)
         what = "is a file, not a directory" if args.src.exists() else "does not exist"
