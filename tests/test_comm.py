@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 
 import pytest
@@ -80,6 +81,33 @@ def _check(p: int, rank: int, n: int, case: int, algorithm: str, compression: st
         native = comm.allreduce(xs[rank].clone(), "native", compression=compression)
         assert bool(((got.double() - native.double()).abs() <= 2 * tol).all()), f"{what} differs from native"
     assert _same_on_all_ranks(got), f"{what}: ranks disagree"
+
+
+def _check_mesh(p: int, rank: int, local_world: int) -> None:
+    """A 2-D DeviceMesh of (nodes, processes per node) stands for torus2d's grid and hierarchical's local_size:
+    the same sums as native, the hook takes the layout from it; a mesh that is not such a layout is refused."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from largebatch.comm.hook import CommHookState
+
+    nodes = p // local_world
+    mesh = init_device_mesh("cpu", (nodes, local_world), mesh_dim_names=("cross", "local"))
+    for case, (algorithm, extra) in enumerate([("torus2d", {}), ("torus2d", {"impl": "p2p"}), ("hierarchical", {}),
+                                               ("hierarchical", {"impl": "p2p", "inter": "ring"})]):
+        _check(p, rank, 4099, 900 + case, algorithm, mesh=mesh, **extra)
+    assert CommHookState("torus2d", mesh=mesh).grid == f"{local_world}x{nodes}"
+    assert CommHookState("hierarchical", mesh=mesh).local_size == local_world
+    x = torch.ones(8)
+    swapped = DeviceMesh("cpu", torch.arange(p).reshape(nodes, local_world).t().contiguous())
+    for call, fragment in (
+            (lambda: comm.allreduce(x, "torus2d", mesh=swapped), "in row-major order"),
+            (lambda: comm.allreduce(x, "hierarchical", mesh=mesh["local"]), "has 1 dimension(s)"),
+            (lambda: comm.allreduce(x, "torus2d", mesh=mesh, grid=f"{p}x1"), "disagree"),
+            (lambda: comm.allreduce(x, "hierarchical", mesh=mesh, local_size=p), "disagree"),
+            (lambda: comm.allreduce(x, "ring", mesh=mesh), "do not apply to algorithm ring"),
+            (lambda: comm.allreduce(x, "torus2d", mesh="2x2"), "not a DeviceMesh")):
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            call()
 
 
 def _check_ddp(p: int, rank: int) -> None:
@@ -227,6 +255,8 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
         m = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
         comm.allreduce(m, "ring")
         assert torch.equal(m, torch.arange(12.0).reshape(3, 4).t() * sum(range(1, p + 1)))
+        if local_world < p:
+            _check_mesh(p, rank, local_world)
         if p == 4:
             _check_errors(p, rank)
         if p in (2, 3):

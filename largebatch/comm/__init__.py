@@ -17,7 +17,8 @@ Options: ``compression`` (``none``, ``fp16``, ``bf16``: wire format only, see
 hierarchical: composed of the backend's own collectives, `largebatch.comm.composed`, the default; or
 point-to-point steps), ``pipeline=N`` (torus2d and
 hierarchical: pieces overlapped across the two levels, `largebatch.comm.pipeline`;
-default one per 1 MB for native, per 4 MB for p2p, 1 = no overlap), ``small_bytes=B`` (every
+default one per 1 MB for native, per 4 MB for p2p, 1 = no overlap), ``mesh`` (torus2d and hierarchical: a 2-D
+``DeviceMesh`` of (nodes, processes per node) in place of ``grid`` / ``local_size``), ``small_bytes=B`` (every
 p2p algorithm: tensors of fewer than ``B`` bytes go to ``native`` instead, the
 small-message fast path; default `SMALL_BYTES`, 0 turns it off). ``None`` values
 are ignored, so a config section can pass all its fields; a set option that the

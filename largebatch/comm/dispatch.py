@@ -59,6 +59,9 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
     if algorithm not in names:
         raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose one of: {', '.join(names)}.")
     options = {k: v for k, v in options.items() if v is not None}
+    if "mesh" in options and algorithm in ("torus2d", "hierarchical"):
+        mesh = options.pop("mesh")
+        options.update(mesh_options(algorithm, mesh, options))
     compression = options.pop("compression", "none")
     if compression not in WIRE_DTYPES:
         raise UserError(f"unknown compression {compression!r}; choose one of: {', '.join(WIRE_DTYPES)}.")
@@ -89,6 +92,26 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
 
         parse_grid(merged["grid"])
     return Spec(algorithm, compression, tuple(sorted(merged.items())))
+
+
+def mesh_options(algorithm: str, mesh: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """A 2-D DeviceMesh as the layout option it stands for: torus2d's grid "XxY", hierarchical's local_size X
+    (`largebatch.comm.topology.mesh_layout`). The sub-groups stay largebatch's own: the hook's collectives are
+    issued from backend callbacks and must never interleave with the caller's own on the mesh's groups."""
+    from largebatch.comm.topology import mesh_layout, parse_grid
+
+    x, y = mesh_layout(mesh)
+    if dist.is_available() and dist.is_initialized() and x * y != dist.get_world_size():
+        raise UserError(f"mesh has {x * y} ranks but the world has {dist.get_world_size()}; give a mesh over "
+                        "the whole world.")
+    if algorithm == "torus2d":
+        if options.get("grid") is not None and parse_grid(options["grid"]) != (x, y):
+            raise UserError(f"grid={options['grid']!r} and the mesh's {x}x{y} disagree; give one of them.")
+        return {"grid": f"{x}x{y}"}
+    if options.get("local_size") is not None and options["local_size"] != x:
+        raise UserError(f"local_size={options['local_size']} and the mesh's {x} processes per node disagree; "
+                        "give one of them.")
+    return {"local_size": x}
 
 
 def _check_layout(algorithm: str, opts: dict[str, Any], p: int) -> None:

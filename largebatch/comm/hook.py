@@ -64,10 +64,16 @@ class CommHookState:
     def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
                  local_size: Optional[int] = None, inter: Optional[str] = None,
                  small_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 pipeline: Optional[int] = None, impl: Optional[str] = None) -> None:
+                 pipeline: Optional[int] = None, impl: Optional[str] = None, mesh: Any = None) -> None:
+        if mesh is not None and algorithm in ("torus2d", "hierarchical"):   # the layout it stands for, kept
+            from largebatch.comm.dispatch import mesh_options                # as a field (the mesh is not)
+
+            layout = mesh_options(algorithm, mesh, {"grid": grid, "local_size": local_size})
+            grid, local_size = layout.get("grid", grid), layout.get("local_size", local_size)
+            mesh = None
         self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid, "local_size": local_size,
                                               "inter": inter, "pipeline": pipeline, "small_bytes": small_bytes,
-                                              "impl": impl},
+                                              "impl": impl, "mesh": mesh},
                                   allow_noop=True)
         self.algorithm, self.compression = algorithm, compression
         self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
@@ -230,7 +236,8 @@ def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any
     the run's ``comm`` config section itself (`config.CommConfig`), whose set fields are the options.
 
     Collective: call on every rank, in the same order as other group creations.
-    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default);
+    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default),
+    mesh (a 2-D DeviceMesh standing for torus2d's grid or hierarchical's local_size);
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Optional
+from typing import Any, Optional
 
 from largebatch.errors import UserError
 
@@ -45,6 +45,26 @@ def resolve_grid(grid: Optional[str], world: int, where: str = "the group size")
         rows = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
         raise UserError(f"comm.grid is {grid} ({x * y} positions) but {where} is {world}; give a grid XxY with "
                         f"X*Y = {world}, e.g. comm.grid={world // rows}x{rows}.")
+    return x, y
+
+
+def mesh_layout(mesh: Any) -> tuple[int, int]:
+    """The (X, Y) layout of a 2-D ``torch.distributed.device_mesh.DeviceMesh`` of shape (Y, X): dimension 0
+    across nodes (torus columns, hierarchical's cross-node groups), dimension 1 within a node (torus rows,
+    hierarchical's node groups), as ``init_device_mesh(device, (nodes, per_node))`` makes it for HSDP. One mesh
+    so describes the layout of both torus2d and hierarchical. Its ranks must be 0..N-1 in row-major order (a
+    node's processes consecutive, the torchrun layout) over the whole world; anything else is a UserError."""
+    ranks = getattr(mesh, "mesh", None)
+    if ranks is None or not hasattr(mesh, "ndim"):
+        raise UserError(f"mesh is a {type(mesh).__name__}, not a DeviceMesh; give a 2-D "
+                        "torch.distributed.device_mesh.init_device_mesh(device, (nodes, processes_per_node)).")
+    if mesh.ndim != 2:
+        raise UserError(f"mesh has {mesh.ndim} dimension(s); give a 2-D DeviceMesh of (nodes, processes_per_node).")
+    y, x = (int(n) for n in ranks.shape)
+    if ranks.flatten().tolist() != list(range(x * y)):
+        raise UserError(f"mesh {ranks.tolist()} does not hold ranks 0..{x * y - 1} in row-major order; give "
+                        "init_device_mesh(device, (nodes, processes_per_node)), whose rows are a node's "
+                        "consecutive ranks.")
     return x, y
 
 
