@@ -165,3 +165,39 @@ def test_corrupt_jpegs_are_skipped_counted_and_listed_end_to_end(cli, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["corrupt_images"] == 3 and summary["steps"] == 3   # 26 train files // 8 per step
     # data.on_corrupt=fail is covered at the source level in test_data_imagefolder.py (one launch less here)
+
+
+@pytest.mark.timeout(400)
+def test_runs_with_the_native_composed_hook_end_cleanly_finished_failed_or_stopped(tmp_path):
+    """torus2d on a 2x2 grid (the default impl, native: both levels real, the future-chained hook) in 4-worker
+    runs: a finished run exits 0, a user error on one rank 2, SIGTERM to the launcher 143; never an abort at
+    teardown (-6, 'terminate called'), and no worker is left behind."""
+    common = [sys.executable, "-m", "largebatch", "train", "--nproc-per-node", "4", "--set", "comm.algorithm=torus2d",
+              "--set", "comm.grid=2x2", "--set", "comm.small_bytes=0", "--set", "comm.bucket_mb=0.05",
+              "--set", "train.threads=1", *TINY]
+
+    def launch(name: str, *extra: str, **env: str) -> subprocess.Popen:
+        return subprocess.Popen([*common, "--run-dir", str(tmp_path / name), *extra], env=_env(**env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def ended(proc: subprocess.Popen, code: int) -> str:
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == code, err[-3000:]
+        assert "terminate called" not in err and "Traceback" not in err, err[-3000:]
+        with pytest.raises(ProcessLookupError):      # the whole session is gone: no worker left behind
+            os.killpg(proc.pid, 0)
+        return err
+
+    ended(launch("finished", "--set", "train.max_steps=4"), 0)
+    assert json.loads((tmp_path / "finished" / "summary.json").read_text())["steps"] == 4
+    err = ended(launch("failed", "--set", "train.max_steps=40", LARGEBATCH_FAULTS="error@1:2"), 2)
+    assert err.count("injected error at step 2 on rank 1") == 1
+    stopped = launch("stopped", "--set", "train.max_steps=300")
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and stopped.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    stopped.send_signal(signal.SIGTERM)
+    assert "checkpoint written" in ended(stopped, 143)
