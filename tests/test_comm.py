@@ -110,8 +110,10 @@ def _check_mesh(p: int, rank: int, local_world: int) -> None:
             call()
 
 
-def _check_ddp(p: int, rank: int) -> None:
-    """Every hook gives DDP's own averaged gradients (2 iterations: first bucket, then rebuilt small buckets)."""
+def _check_ddp(p: int, rank: int, two_levels: bool = False) -> None:
+    """Every hook gives DDP's own averaged gradients (2 iterations: first bucket, then rebuilt small buckets).
+    ``two_levels`` (4 ranks): only the native-composed hooks on a 2x2 layout, where both levels are real, so the
+    whole future chain runs (in-node reduce-scatter, cross all-reduce or p2p, in-node all-gather)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from largebatch.comm.hook import CommHookState
@@ -165,7 +167,11 @@ def _check_ddp(p: int, rank: int) -> None:
                        ("hierarchical", {"impl": "native", "local_size": p, "inter": "native"}),
                        ("hierarchical", {"impl": "native", "inter": "halving_doubling"})]
     p2p_forms = [(a, {"impl": "p2p"}) for a in TWO_LEVEL]                       # on the communication thread
-    for algorithm, extra in [(a, {}) for a in comm.ALGORITHMS] + p2p_forms + native_composed:
+    forms = [(a, {}) for a in comm.ALGORITHMS] + p2p_forms + native_composed
+    if two_levels:
+        forms = [("torus2d", {"grid": "2x2"}), ("hierarchical", {"local_size": 2, "inter": "native"}),
+                 ("hierarchical", {"local_size": 2, "inter": "halving_doubling"})]
+    for algorithm, extra in forms:
         for compression in COMPRESSIONS:
             got = grads(algorithm, compression, **extra)
             atol = 1e-6 if compression == "none" else (p + 3) * UNIT_ROUNDOFF[compression] * float(biggest)
@@ -261,6 +267,8 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
             _check_errors(p, rank)
         if p in (2, 3):
             _check_ddp(p, rank)
+        if p == 4:
+            _check_ddp(p, rank, two_levels=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
