@@ -105,6 +105,7 @@ class DataConfig(Section):
             if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
                 raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
                                 f"got {phase!r}.")
+            phase["image_size"] = _whole(phase["image_size"])
             start, size = phase["start_epoch"], phase["image_size"]
             if not _is_number(start) or start < 0:
                 raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
@@ -130,6 +131,7 @@ class BatchConfig(Section):
             unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
             if unknown:
                 raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
+            phase["start_epoch"], phase["global_batch"] = _whole(phase["start_epoch"]), _whole(phase["global_batch"])
             for key, ok, need in (("start_epoch", _is_int(phase["start_epoch"]) and phase["start_epoch"] >= 0,
                                    "a whole number of epochs >= 0"),
                                   ("global_batch", _is_int(phase["global_batch"]) and phase["global_batch"] > 0,
@@ -328,6 +330,13 @@ def _suggest(name: str, valid: list[str]) -> str:
 def _is_number(value: Any) -> bool:
     """A finite int or float (not a bool): what a numeric item of a list key must be."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: Any) -> Any:
+    """A whole number written as a float (1e3, 64.0) as the int it is, as for an int key; anything else as is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
 
 
 def _is_int(value: Any) -> bool:

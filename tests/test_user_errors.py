@@ -126,6 +126,10 @@ def test_yaml_1_1_exponent_floats_are_numbers(main, capsys, tmp_path):
     cfg = config.load("fashion_mnist", ["batch.phases=[{start_epoch: 0, global_batch: 256, lr: 1e-3}]",
                                         "schedule.decay=step", "schedule.milestones=[1e0, 2e0]"])
     assert cfg.batch.phases[0]["lr"] == 0.001 and cfg.schedule.milestones == [1.0, 2.0]
+    cfg = config.load("fashion_mnist", ["batch.phases=[{start_epoch: 0e0, global_batch: 1e3}]",   # whole numbers
+                                        "data.resolution_phases=[{start_epoch: 0, image_size: 2.8e1}]"])
+    assert cfg.batch.phases[0]["global_batch"] == 1000 and isinstance(cfg.batch.phases[0]["global_batch"], int)
+    assert cfg.data.resolution_phases[0]["image_size"] == 28
     recipe = tmp_path / "r.yaml"
     recipe.write_text("optim:\n  lr: 2e-1\n  betas: [9e-1, 9.99e-1]\nschedule:\n  epochs: 3\n  decay: cosine\n")
     cfg = config.load(str(recipe))
