@@ -560,19 +560,26 @@ def _check_distinct_starts(where: str, phases: list) -> None:
         seen[start] = i
 
 
-def _check_end_lr(cfg: "Config") -> None:
-    """schedule.end_lr is where poly/cosine decay ends: not above the peak lr of any batch phase (the peak
-    lr is optim.lr scaled to the phase's global batch, or the phase's own lr), or the decay would raise it."""
+def _peak_lrs(cfg: "Config") -> tuple[list[float], str]:
+    """The peak lr of each batch phase in start order (the phase's own lr, or optim.lr scaled to its global
+    batch, as `schedule.Plan` makes them), and where it comes from without phases, for a message."""
     from largebatch.schedule import scaled_lr
 
-    s, o = cfg.schedule, cfg.optim
+    o = cfg.optim
+    phases = sorted(cfg.batch.phases, key=lambda p: p["start_epoch"]) or [{"global_batch": cfg.batch.global_batch}]
+    peaks = [p["lr"] if p.get("lr") is not None else
+             scaled_lr(o.lr, p["global_batch"], o.reference_batch, o.scaling_rule) for p in phases]
+    return peaks, f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
+
+
+def _check_end_lr(cfg: "Config") -> None:
+    """schedule.end_lr is where poly/cosine decay ends: not above the peak lr of any batch phase, or the decay
+    would raise it."""
+    s = cfg.schedule
     if s.decay not in ("poly", "cosine"):
         return
-    phases = cfg.batch.phases or [{"global_batch": cfg.batch.global_batch}]
-    peak = min(p["lr"] if p.get("lr") is not None else
-               scaled_lr(o.lr, p["global_batch"], o.reference_batch, o.scaling_rule) for p in phases)
-    which = "the smallest of batch.phases" if cfg.batch.phases else \
-        f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
+    peaks, scaled = _peak_lrs(cfg)
+    peak, which = min(peaks), "the smallest of batch.phases" if cfg.batch.phases else scaled
     if s.end_lr > peak:
         raise UserError(f"schedule.end_lr is {s.end_lr:g}, above the peak lr of {peak:g} ({which}), so the {s.decay} "
                         f"decay would raise the lr; give at most {peak:g} (0 decays to zero).")
@@ -581,17 +588,11 @@ def _check_end_lr(cfg: "Config") -> None:
 def _check_warmup_start(cfg: "Config") -> None:
     """An explicit schedule.warmup_start_lr is where the gradual warm-up starts, climbing to the first batch
     phase's peak lr: not above it, or the warm-up would lower the lr (the default never starts above it)."""
-    from largebatch.schedule import scaled_lr
-
-    s, o = cfg.schedule, cfg.optim
+    s = cfg.schedule
     if s.warmup_start_lr is None or s.warmup_epochs <= 0:
         return
-    first = min(cfg.batch.phases, key=lambda p: p["start_epoch"]) if cfg.batch.phases else \
-        {"global_batch": cfg.batch.global_batch}
-    peak = first["lr"] if first.get("lr") is not None else \
-        scaled_lr(o.lr, first["global_batch"], o.reference_batch, o.scaling_rule)
-    which = "the first of batch.phases" if cfg.batch.phases else \
-        f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
+    peaks, scaled = _peak_lrs(cfg)
+    peak, which = peaks[0], "the first of batch.phases" if cfg.batch.phases else scaled
     if s.warmup_start_lr > peak:
         raise UserError(f"schedule.warmup_start_lr is {s.warmup_start_lr:g}, above the peak lr of {peak:g} ({which}), "
                         f"so the warm-up would lower the lr; give at most {peak:g}, or null for the default (the "

@@ -36,6 +36,16 @@ def _env(**extra) -> dict:
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
+def _sigterm_after(proc: subprocess.Popen, metrics: Path, lines: int, timeout_s: float = 200) -> None:
+    """SIGTERM to the launcher once the run has logged `lines` records to `metrics` (or it ended, or time ran out)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+
+
 def _params(run_dir: Path) -> dict:
     path, _ = checkpoint.latest(run_dir / "checkpoints")
     return checkpoint.load(path)["model"]
@@ -111,12 +121,7 @@ def test_sigterm_checkpoints_at_next_step_then_resumes_on_one_worker_with_the_sa
                              str(run), *common], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 200
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    _sigterm_after(proc, metrics, 3)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "checkpoint written. Resume with: largebatch train" in err and "--resume" in err
@@ -193,11 +198,5 @@ def test_runs_with_the_native_composed_hook_end_cleanly_finished_failed_or_stopp
     err = ended(launch("failed", "--set", "train.max_steps=40", LARGEBATCH_FAULTS="error@1:2"), 2)
     assert err.count("injected error at step 2 on rank 1") == 1
     stopped = launch("stopped", "--set", "train.max_steps=300")
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.time() + 200
-    while time.time() < deadline and stopped.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    stopped.send_signal(signal.SIGTERM)
+    _sigterm_after(stopped, tmp_path / "stopped" / "metrics.jsonl", 2)
     assert "checkpoint written" in ended(stopped, 143)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
-from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, HOOK_ONLY, IMPLS
+from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, HOOK_ONLY, IMPLS, TWO_LEVEL
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -59,7 +59,7 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
     if algorithm not in names:
         raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose one of: {', '.join(names)}.")
     options = {k: v for k, v in options.items() if v is not None}
-    if "mesh" in options and algorithm in ("torus2d", "hierarchical"):
+    if "mesh" in options and algorithm in TWO_LEVEL:
         mesh = options.pop("mesh")
         options.update(mesh_options(algorithm, mesh, options))
     compression = options.pop("compression", "none")

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import torch
 import torch.distributed as dist
 
-from largebatch.comm.dispatch import Spec, resolve, run, setup
+from largebatch.algorithms import TWO_LEVEL
+from largebatch.comm.dispatch import Spec, mesh_options, resolve, run, setup
 from largebatch.comm.compression import get_codec
 from largebatch.comm.groups import members
 
@@ -65,9 +66,7 @@ class CommHookState:
                  local_size: Optional[int] = None, inter: Optional[str] = None,
                  small_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
                  pipeline: Optional[int] = None, impl: Optional[str] = None, mesh: Any = None) -> None:
-        if mesh is not None and algorithm in ("torus2d", "hierarchical"):   # the layout it stands for, kept
-            from largebatch.comm.dispatch import mesh_options                # as a field (the mesh is not)
-
+        if mesh is not None and algorithm in TWO_LEVEL:   # the layout it stands for, kept as a field (not the mesh)
             layout = mesh_options(algorithm, mesh, {"grid": grid, "local_size": local_size})
             grid, local_size = layout.get("grid", grid), layout.get("local_size", local_size)
             mesh = None
