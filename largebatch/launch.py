@@ -9,6 +9,12 @@ agent must be its own process (`cluster run` starts one per namespaced host). Wh
 2. Quiet: the agent's warning for each worker it stops and its error box for each failure would bury
    the worker's own sentence, so they are off and a failure that is not a user error gets one line
    per worker instead.
+3. The end of the run on another node: torch's agent ends without waiting for the others when its own
+   workers fail, and the agent that hosts the rendezvous store (node 0) takes the store with it. Every
+   other agent then meets a closed connection at its next check of the store; torchrun prints a
+   traceback there (and, from C++, 40 lines of stack frames per failed store call). Here it is one line
+   naming the store and its node, exit code 1, and this node's workers stopped (the agent stops them on
+   its way out). Not all nodes at the rendezvous in time is a user error (wrong --nnodes or endpoint).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import signal
 import socket
 import sys
 
-from largebatch.errors import UserError
+from largebatch.errors import UserError, report
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
@@ -89,9 +95,40 @@ def failed_exit_code(exc) -> int:
     return 1
 
 
+def option_value(argv: list[str], flag: str, default: str = "") -> str:
+    """The value of `--flag VALUE` / `--flag=VALUE` in `argv` (the last one given), else `default`."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
+
+
+def rendezvous_failure(exc: Exception, torchrun_args: list[str]) -> int:
+    """Step 3: one line for a rendezvous that failed under a running agent; the exit code."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    endpoint = option_value(torchrun_args, "--rdzv-endpoint", "its default endpoint")
+    if isinstance(exc, RendezvousTimeoutError):
+        nnodes = option_value(torchrun_args, "--nnodes", "1")
+        raise UserError(f"not all of the --nnodes {nnodes} nodes reached the rendezvous at {endpoint} in time; "
+                        "start the same command on every node, with the same --nnodes, --rdzv-endpoint and "
+                        "--rdzv-id.") from None
+    node = option_value(torchrun_args, "--node-rank", "")
+    here = f"node {node}" if node else "this node"
+    print(f"largebatch: {here} lost the rendezvous store at {endpoint}: the agent that hosts it has ended "
+          f"(its node's output says why) or the network to it failed; {here}'s workers were stopped.",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
     """Run torchrun with `torchrun_args` in this process; (exit code, signal number if the agent was
     signalled, else None)."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
     quiet_agent_logs()
@@ -99,6 +136,10 @@ def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
         torchrun_main(torchrun_args)
     except SystemExit as exc:   # torchrun exits through sys.exit
         return int(exc.code or 0), None
+    except (RendezvousConnectionError, RendezvousTimeoutError, DistNetworkError) as exc:
+        # DistNetworkError: the same loss met outside the rendezvous backend (the agent's rank assignment
+        # reads the store directly)
+        return rendezvous_failure(exc, torchrun_args), None
     except Exception as exc:
         name = type(exc).__name__
         if name == "SignalException":   # the agent was signalled; it stopped the workers
@@ -110,5 +151,29 @@ def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
     return 0, None
 
 
+def main(argv: list[str]) -> int:
+    """`python -m largebatch.launch TORCHRUN_ARGS`: an agent in a process of its own (one per node).
+
+    The agent's own C++ warnings are off unless the user set TORCH_CPP_LOG_LEVEL (torch reads it once, at
+    import): a store call to a node that has ended logs 40 lines of stack frames before the exception that
+    step 3 turns into one line. The workers get the environment as it was."""
+    import os
+
+    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    if user_level is None:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        import torch  # noqa: F401 - reads the level now
+
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return run_agent(argv)[0]
+    except UserError as exc:
+        return report(exc)
+    except SignalException as exc:   # a signal on the way out, after the agent's own handling: it ends here
+        return 128 + int(exc.sigval)
+
+
 if __name__ == "__main__":
-    sys.exit(run_agent(sys.argv[1:])[0])
+    sys.exit(main(sys.argv[1:]))

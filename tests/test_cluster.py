@@ -261,3 +261,35 @@ def test_a_user_error_on_the_hosts_exits_2_without_a_traceback() -> None:
     assert proc.returncode == 2, out
     assert "optim.lr is -1.0" in out
     assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+# Node 0's worker fails at once; every other node's worker would run on for a minute.
+NODE0_FAILS = textwrap.dedent("""
+    import os, sys, time
+    if os.environ["GROUP_RANK"] == "0":
+        print("node 0's worker exits 2", flush=True)
+        sys.exit(2)
+    time.sleep(60)
+""")
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_the_other_nodes_end_in_one_line_when_node_0_and_its_store_are_gone(tmp_path: Path) -> None:
+    """torch's agent ends without waiting for the others when its workers fail, and node 0's agent hosts
+    the rendezvous store: node 1's agent meets the closed store at its next check. With --keep-going
+    nothing stops node 1 first, so this is the case every time (without it, only when node 1's check
+    comes before `cluster run` stops it: the flake of the test above). Node 1 ends early, in one line, with
+    its worker stopped; no Python traceback, no C++ stack frames."""
+    script = tmp_path / "node0_fails.py"
+    script.write_text(NODE0_FAILS)
+    t0 = time.monotonic()
+    r = _run("--nodes", "2", "--keep-going", "--exec", "--", "python", str(script), timeout=170)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "node 0's worker exits 2" in out
+    assert re.search(r"^\[node 1\] largebatch: node 1 lost the rendezvous store at 10\.213\.0\.1:\d+: .*"
+                     r"node 1's workers were stopped\.$", r.stdout, re.M), out
+    assert "Traceback" not in out and "frame #" not in out and "TCPStore.cpp" not in out, out
+    assert time.monotonic() - t0 < 55, "node 1 slept on instead of ending with the store"
+    assert _namespaces_of(_run_id(r.stderr)) == []

@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,6 +142,24 @@ def test_world_size_and_launcher_arguments(main):
     _expect(main("train", "--dry-run", "--world-size", "0"), "--world-size is 0")
     _expect(main("train", *TINY, "--nproc-per-node", "2", "--max-restarts", "-1"), "--max-restarts is -1")
     _expect(main("train", *TINY, "--nproc-per-node", "0"), "--nproc-per-node is 0")
+
+
+def test_a_node_that_waits_alone_at_the_rendezvous_is_told_how_to_start_the_others(tmp_path):
+    """One agent of an --nnodes 2 run (the others never started, or with another --nnodes or endpoint):
+    after the join timeout, one sentence naming the endpoint and the fix, exit 2, no traceback."""
+    from largebatch.launch import free_port
+
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "largebatch.launch", "--nnodes", "2", "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-conf", "join_timeout=2", "--local-addr", "127.0.0.1",
+                        "-m", "largebatch", "train", *TINY],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"largebatch: error: not all of the --nnodes 2 nodes reached the rendezvous at 127.0.0.1:{port} in time; "
+        "start the same command on every node, with the same --nnodes, --rdzv-endpoint and --rdzv-id."], r.stderr
+    assert not list(tmp_path.iterdir())   # no worker started, nothing written
 
 
 def test_unreadable_recipes(main, tmp_path):
