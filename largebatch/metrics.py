@@ -5,7 +5,10 @@ host syncs on logging steps only.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -13,6 +16,30 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+
+FLAGS_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def machine(device) -> str:
+    """The machine in words: the GPU, or the CPU model, the vector flags that decide CPU speed and the core
+    count; and torch's version. Every figure (a benchmark's, a run's summary.json) carries it."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {version}"
+    model, flags = platform.processor() or "CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    noted = " ".join(f for f in FLAGS_OF_NOTE if f in flags) or "none of " + " ".join(FLAGS_OF_NOTE)
+    gpu = "GPU not used" if torch.cuda.is_available() else "no GPU"
+    return f"{model} (flags: {noted}), {len(os.sched_getaffinity(0))} cores, {gpu}, torch {version}"
 
 
 class MetricsLog:
@@ -167,14 +194,16 @@ def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bo
 
 def run_summary(*, recipe: str, run_dir: Path, last_eval: dict, progress, wall_s: float, epochs: float, steps: int,
                 world_size: int, global_batch: int, corrupt_images: int, precision: str, threads: int,
-                ensemble: dict) -> dict:
+                ensemble: dict, machine: str) -> dict:
     """summary.json's content: the last evaluation, the best top-1 of the run, its size and speed (images/s over
-    the time spent in training steps, data waits included), and the Collapsed Ensemble's record if any."""
+    the time spent in training steps, data waits included), the machine of rank 0 (`machine()`; a resumed run
+    names the machine that finished it), and the Collapsed Ensemble's record if any."""
     return {
         "recipe": recipe, "run_dir": str(run_dir),
         "final_top1": last_eval["top1"], "final_top5": last_eval["top5"], "final_loss": last_eval["loss"],
         "best_top1": max(progress.best_top1, last_eval["top1"]), "epochs": round(epochs, 4), "steps": steps,
         "wall_s": wall_s, "train_images_per_s": progress.images_seen / max(progress.train_time, 1e-9),
         "world_size": world_size, "global_batch": global_batch, "nonfinite_steps": progress.nonfinite_total,
-        "corrupt_images": corrupt_images, "precision": precision, "threads_per_worker": threads, **ensemble,
+        "corrupt_images": corrupt_images, "precision": precision, "threads_per_worker": threads,
+        "machine": machine, **ensemble,
     }

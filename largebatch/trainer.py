@@ -314,7 +314,8 @@ class Trainer:
             recipe=self.cfg.recipe, run_dir=self.run_dir, last_eval=last, progress=self.progress, wall_s=wall,
             epochs=self.plan.epoch_float(self.step), steps=self.step, world_size=self.info.world_size,
             global_batch=self.plan.phase_at(self.step - 1).global_batch, corrupt_images=len(corrupt),
-            precision=self.cfg.train.precision, threads=self.threads, ensemble=ensemble_rec)
+            precision=self.cfg.train.precision, threads=self.threads, ensemble=ensemble_rec,
+            machine=metrics_mod.machine(self.device))
         if self.main:
             metrics_mod.write_outputs(self.run_dir, summary, corrupt, plots=self.cfg.train.plots,
                                       tensorboard=self.cfg.train.tensorboard)

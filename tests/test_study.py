@@ -114,6 +114,30 @@ def test_a_study_continues_with_a_grown_lr_grid_or_tuning_list_only():
     assert not study.same_study({**final, "from_tuning": None}, final, ["sgd"])       # a grid study is not a final
 
 
+def test_each_cell_keeps_the_machine_it_ran_on_when_a_study_moves(tmp_path):
+    """A study resumed on another machine: a cell finished before summary.json named its machine keeps the one
+    the study.json of that time gave (the machine then running the study), a new cell its summary's; study.md
+    names both with their counts."""
+    out = tmp_path / "final"
+    old, new = out / "runs" / "sgd-b32-lr1-s0", out / "runs" / "sgd-b32-lr1-s1"
+    for run_dir, machine in ((old, None), (new, "New CPU (flags: avx2 fma), 2 cores")):
+        run_dir.mkdir(parents=True)
+        summary = {"final_top1": 0.9, "final_top5": 1.0, "final_loss": 0.3, "steps": 10, "wall_s": 60.0, "epochs": 1.0}
+        (run_dir / "summary.json").write_text(json.dumps({**summary, **({"machine": machine} if machine else {})}))
+    (out / "study.json").write_text(json.dumps({"machine": "Old CPU (flags: avx2 fma avx512f), 2 cores", "cells": [
+        {"run_dir": str(old), "top1": 0.9}, {"run_dir": str(new), "top1": None}]}))
+    earlier = study.earlier_machines(out)
+    assert earlier == {str(old): "Old CPU (flags: avx2 fma avx512f), 2 cores"}   # only finished cells
+    args = SimpleNamespace(recipe="fashion_mnist", nproc_per_node=1, dry_run=False)
+    cells = [study.run_cell(args, d, [], "cell", "1/2", None, earlier) for d in (old, new)]
+    assert [c["machine"] for c in cells] == ["Old CPU (flags: avx2 fma avx512f), 2 cores",
+                                             "New CPU (flags: avx2 fma), 2 cores"]
+    assert study.machines(cells) == ("machines (each cell's in study.json): Old CPU (flags: avx2 fma avx512f), "
+                                     "2 cores, 1 cell; New CPU (flags: avx2 fma), 2 cores, 1 cell")
+    assert study.machines(cells[1:]) == "machine: New CPU (flags: avx2 fma), 2 cores"
+    assert study.run_cell(args, old, [], "cell", "1/2", None)["machine"] is None   # no record: not guessed
+
+
 def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_path):
     common = ["--batches", "32", "--optimizers", "sgd", "--nproc-per-node", "1", "--epochs", "1",
               "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=160", "--set", "data.image_size=8",
@@ -133,6 +157,9 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
     assert "(resuming)" in again.stderr and kept.stat().st_mtime_ns == stamp   # the finished cell is reused
     resumed = json.loads((tune / "study.json").read_text())
     assert all(c["top1"] is not None for c in resumed["cells"])
+    from largebatch.metrics import machine   # each cell names the machine it ran on, from its summary.json
+    import torch
+    assert {c["machine"] for c in resumed["cells"]} == {machine(torch.device("cpu"))}
     # other settings in the same directory are refused
     other = cli("study", "batch-scaling", *common, "--out", tune)
     assert other.returncode == 2 and "holds a study with other settings" in other.stderr

@@ -455,6 +455,32 @@ def claims_markdown(rows: list[dict], split: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def earlier_machines(out: Path) -> dict[str, str]:
+    """Each finished cell's machine as OUT/study.json gave it before this run of the study rewrites it: a cell
+    finished before summary.json named its machine has the one that ran the study then (each study.json is
+    written after every cell by the machine running the study)."""
+    try:
+        earlier = json.loads((out / "study.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {c["run_dir"]: c.get("machine") or earlier.get("machine") for c in earlier.get("cells", [])
+            if c.get("top1") is not None and "run_dir" in c and (c.get("machine") or earlier.get("machine"))}
+
+
+def machines(cells: list[dict]) -> str:
+    """The machines the finished cells ran on, in words: one, or each with its number of cells (a resumed study
+    may move)."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        if c.get("top1") is not None:
+            name = c.get("machine") or "not recorded"
+            counts[name] = counts.get(name, 0) + 1
+    if len(counts) <= 1:
+        return f"machine: {next(iter(counts), 'none yet')}"
+    return "machines (each cell's in study.json): " + "; ".join(
+        f"{m}, {n} cell{'s' if n > 1 else ''}" for m, n in counts.items())
+
+
 def machine_time(cells: list[dict]) -> str:
     """The machine time the finished cells took: the sum of their training + evaluation wall times."""
     seconds = sum(c.get("wall_s") or 0.0 for c in cells)
@@ -470,8 +496,8 @@ def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], 
     (out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table, "claims": verdicts},
                                                indent=2))
     md = (f"Command: `{meta['command']}`\n\nEpochs per cell: {meta['epochs']}, seeds: {meta['seeds']}, "
-          f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, machine: "
-          f"{meta.get('machine', '')}, machine time of the finished cells: {machine_time(cells)}\n\n" + markdown(table, batches, optimizers, split)
+          f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, {machines(cells)}, "
+          f"machine time of the finished cells: {machine_time(cells)}\n\n" + markdown(table, batches, optimizers, split)
           + claims_markdown(verdicts, split))
     (out / "study.md").write_text(md)
     if table:
@@ -479,9 +505,11 @@ def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], 
     return table
 
 
-def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, console) -> dict:
+def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, console,
+             earlier: dict[str, str] | None = None) -> dict:
     """Step 3 for one cell: train it unless its summary exists (resume it if it holds a run), then its record:
-    the exact command, and from its summary top-1/top-5, losses, steps, wall time (and ensemble figures)."""
+    the exact command, and from its summary top-1/top-5, losses, steps, wall time, machine (`earlier`'s for a
+    summary without one) and ensemble figures."""
     summary_path = run_dir / "summary.json"
     diverged_path = run_dir / DIVERGED
     argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
@@ -511,7 +539,8 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
         summ = json.loads(summary_path.read_text())
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
                      "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
-                     "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir)})
+                     "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir),
+                     "machine": summ.get("machine") or (earlier or {}).get(str(run_dir))})
         for key in ("ensemble_top1", "best_snapshot_top1", "ensemble_gain", "swa_top1"):
             if key in summ:
                 cell[key] = summ[key]
@@ -564,11 +593,13 @@ def main(argv: list[str]) -> int:
             "machine": machine(torch.device("cpu"))}
 
     cells: list[dict] = []
+    earlier = earlier_machines(args.out)
     for i, (b, o, lr, s) in enumerate(plan):
         run_dir = _cell_dir(args.out, b, o, s, lr)
         label = f"{o} batch {b}{'' if lr is None else f' lr {lr:g}'} seed {s}"
         cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
-                **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console)}
+                **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console,
+                         earlier)}
         cells.append(cell)
         if not args.dry_run:
             write_outputs(args.out, meta, cells, batches, optimizers)

@@ -292,18 +292,20 @@ def run(kind: str, argv: list[str]) -> int:
     meta = {"command": f"largebatch study {kind} " + " ".join(argv), "kind": kind, **settings,
             "machine": machine(torch.device("cpu")), "split": split}
     cells: list[dict] = []
+    earlier = study.earlier_machines(args.out)
     order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
     for i, (name, lr, s) in enumerate(order):
         run_dir = args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
         label = f"{name}{'' if lr is None else f' lr {lr:g}'} seed {s}"
         cell = {"variant": name, "lr": lr, "seed": s,
-                **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console)}
+                **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console,
+                                 earlier)}
         cells.append(cell)
         if args.dry_run:
             continue
         table = summarise(kind, cells)
         (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
-        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}; machine time "
+        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\n{study.machines(cells).capitalize()}; machine time "
                                            f"of the finished cells: {study.machine_time(cells)}\n\n"
                                            + markdown(kind, table, split))
         if any(n != "verdict" for n in table):
