@@ -75,7 +75,11 @@ def local_workers(nproc: int, command: list[str], max_restarts: int = 0) -> list
 
 
 def quiet_agent_logs() -> None:
-    for name in AGENT_LOGGERS:
+    """Step 2. torch's elastic modules give their loggers a level of their own (LOGLEVEL, WARNING by default),
+    which a parent's level does not override: set it on each one that exists (call after importing torchrun)."""
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if any(n == p or n.startswith(p + ".") for p in AGENT_LOGGERS)]
+    for name in {*AGENT_LOGGERS, *names}:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -125,6 +125,7 @@ def test_sigterm_checkpoints_at_next_step_then_resumes_on_one_worker_with_the_sa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "checkpoint written. Resume with: largebatch train" in err and "--resume" in err
+    assert "death signal" not in err, err[-3000:]   # the agent's own log line: quiet (launch step 2)
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     path, meta = checkpoint.latest(run / "checkpoints")
     assert meta["step"] == last and 3 <= last < 300        # stopped at a step boundary, nothing lost
