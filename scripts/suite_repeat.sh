@@ -9,6 +9,8 @@ N=${1:-10}
 LOG=$(realpath -m "${2:-suite_repeat.txt}")
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
+chmod 755 "$WORK"   # a checkout others can read, as a clone in a home or /work is (mktemp's 0700 is not):
+                    # test_without_root_... runs the package as an unprivileged user
 git clone -q "$SRC" "$WORK/repo" || exit 1
 cd "$WORK/repo"
 echo "commit $(git rev-parse --short HEAD); $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; start $(date -u +%FT%TZ)" >> "$LOG"
