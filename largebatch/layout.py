@@ -45,3 +45,20 @@ def use_channels_last(choice: str, device: torch.device, precision: str) -> bool
     if choice == "auto":
         return device.type == "cuda" or precision == "bf16"
     return choice == "on"
+
+
+# torch 2.13's oneDNN corrupts the heap computing the weight gradient of a 1x1 convolution with stride 2 and fewer
+# than 8 input channels in channels-last memory on CPU (seen on an AVX2-only EPYC, 1 intra-op thread: a segfault
+# or 'munmap_chunk(): invalid pointer' in mkldnn_convolution_backward_weights at the first backward; 8 channels,
+# stride 1, NCHW memory or CUDA are fine). A ResNet below width 8 has one (its layer2 shortcut).
+NARROW_CHANNELS = 8
+
+
+def cpu_channels_last_hazard(model: torch.nn.Module) -> str | None:
+    """The first convolution that channels-last memory would crash on CPU (above), as 'NAME (C input channels)';
+    None when there is none."""
+    for name, m in model.named_modules():
+        if (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) and max(m.stride) > 1
+                and m.in_channels < NARROW_CHANNELS):
+            return f"{name} ({m.in_channels} input channels)"
+    return None

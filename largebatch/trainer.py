@@ -14,6 +14,7 @@ logging steps only otherwise.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,8 +94,11 @@ class Trainer:
 
         # 5. model
         torch.manual_seed(t.seed)   # identical initial weights on every rank and every world size
-        self.channels_last = use_channels_last(t.channels_last, self.device, t.precision)
-        self.model = model = build_classifier(cfg, self.data_info, self.device, self.channels_last)
+        self.model = model = build_classifier(cfg, self.data_info, self.device,
+                                              use_channels_last(t.channels_last, self.device, t.precision))
+        self.channels_last = model.channels_last   # batches follow the model's memory format
+        if model.channels_last_note and self.main:
+            print(f"largebatch: {model.channels_last_note}", file=sys.stderr, flush=True)
         self.ema = build_ema(model, t.ema)
 
         # 6. data parallelism and the communication hook

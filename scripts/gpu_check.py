@@ -43,12 +43,15 @@ SIZES = {
             "train": ["--set", "model.name=resnet50", "--set", "data.image_size=224", "--set", "batch.global_batch=256",
                       "--set", "train.precision=bf16", "--set", "train.max_steps=40", "--set", "train.log_every=10",
                       "--set", "data.loader_workers=16"]},
+    # cpu: one intra-op thread (the suite runs this beside other work, and ops this small gain nothing from a
+    # second one on a busy 2-core machine)
     "cpu": {"bench_train": ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch", "8",
-                            "--steps", "1", "--rounds", "1", "--peak-size", "256", "--configs", "fp32,bf16-cl"],
+                            "--steps", "1", "--rounds", "1", "--peak-size", "256", "--configs", "fp32,bf16-cl",
+                            "--threads", "1"],
             "images": 24, "batch": 8, "workers": [0, 2], "size": 64, "passes": 1,
             "train": ["--set", "model.name=resnet18", "--set", "model.width=4", "--set", "data.image_size=32",
                       "--set", "batch.global_batch=8", "--set", "train.max_steps=3", "--set", "train.log_every=1",
-                      "--set", "data.loader_workers=0", "--set", "train.device=cpu"]},
+                      "--set", "data.loader_workers=0", "--set", "train.device=cpu", "--set", "train.threads=1"]},
 }
 
 

@@ -106,3 +106,31 @@ def test_run_directory_contents(tmp_path, cli):
     assert config.load(str(run / "config.yaml")).batch.global_batch == 32
     assert (run.stat().st_mode & 0o002) == 0, "run directory must not be world-writable"
     assert "plots in" in proc.stderr
+
+
+def test_a_narrow_resnet_on_cpu_runs_without_channels_last_and_says_why(cli, tmp_path):
+    """torch 2.13's oneDNN corrupts the heap in the weight gradient of a 1x1 stride-2 convolution with fewer than 8
+    input channels in channels-last memory on CPU (a segfault at the first backward on an AVX2 EPYC, 1 thread).
+    A ResNet-18 of width 4 asked for channels-last memory trains in NCHW instead and says why once; width 8 keeps
+    channels-last memory."""
+    from largebatch.models.classifier import build_classifier
+    from largebatch.data.info import DatasetInfo
+
+    cfg = config.Config()
+    cfg.model.name, cfg.model.width = "resnet18", 4
+    info = DatasetInfo(num_classes=10, in_channels=1, image_size=28, mean=(0.5,), std=(0.5,), train_size=64,
+                       test_size=64, name="probe")
+    narrow = build_classifier(cfg, info, torch.device("cpu"), channels_last=True)
+    assert not narrow.channels_last and "net.layer2.0.shortcut.0 (4 input channels)" in narrow.channels_last_note
+    assert narrow.net.layer2[0].shortcut[0].weight.is_contiguous()
+    cfg.model.width = 8
+    wide = build_classifier(cfg, info, torch.device("cpu"), channels_last=True)
+    assert wide.channels_last and wide.channels_last_note is None
+    assert wide.net.layer2[0].shortcut[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+    run = tmp_path / "run"
+    args = [a if a != "train.channels_last=off" else "train.channels_last=on" for a in TINY]
+    proc = cli("train", "--run-dir", run, "--set", "batch.global_batch=8", "--set", "train.max_steps=2",
+               "--set", "train.threads=1", "--set", "train.eval_every=0", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("channels-last memory is off for this model on CPU") == 1, proc.stderr

@@ -67,8 +67,9 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     dist_mod.set_threads(cfg.train.threads, info.local_world_size)
     train, test, data_info = build_data(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    channels_last = use_channels_last(cfg.train.channels_last, device, cfg.train.precision)
-    model = build_classifier(cfg, data_info, device, channels_last)
+    model = build_classifier(cfg, data_info, device, use_channels_last(cfg.train.channels_last, device,
+                                                                        cfg.train.precision))
+    channels_last = model.channels_last
     out: dict = {"run_dir": str(run_dir), "world_size": info.world_size}
     if use_ensemble:
         rec, _ = ensemble.evaluate_run(model, run_dir, train, test, info, device, batch=batch, bn_batch=batch,

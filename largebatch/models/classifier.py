@@ -6,6 +6,7 @@ from torch import nn
 
 from largebatch.config import Config
 from largebatch.errors import UserError
+from largebatch.layout import NARROW_CHANNELS, cpu_channels_last_hazard
 
 
 class Classifier(nn.Module):
@@ -15,6 +16,8 @@ class Classifier(nn.Module):
         super().__init__()
         self.normalize = normalize
         self.net = net
+        self.channels_last = False   # the memory format it runs in (build_classifier), which batches must match
+        self.channels_last_note: str | None = None   # why channels-last memory was asked for and not used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.normalize(x))
@@ -59,5 +62,13 @@ def build_classifier(cfg: Config, info, device: torch.device | None = None, chan
     _check_input_size(net, cfg.model.name, info.in_channels, smallest,
                       "data.image_size" if smallest == info.image_size else "image_size in data.resolution_phases")
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
+    hazard = cpu_channels_last_hazard(model) if channels_last and (device is None or device.type == "cpu") else None
+    if hazard:
+        model.channels_last_note = (
+            f"channels-last memory is off for this model on CPU: its 1x1 stride-2 convolution {hazard} is one that "
+            f"torch's oneDNN kernel crashes on below {NARROW_CHANNELS} channels; model.width {NARROW_CHANNELS} or "
+            "more allows it.")
+        return model
+    model.channels_last = channels_last
     # ignore: torch's stubs for Module.to omit memory_format (documented, accepted at run time)
     return model.to(memory_format=torch.channels_last) if channels_last else model  # type: ignore[call-overload]
