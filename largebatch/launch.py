@@ -13,8 +13,11 @@ agent must be its own process (`cluster run` starts one per namespaced host). Wh
    workers fail, and the agent that hosts the rendezvous store (node 0) takes the store with it. Every
    other agent then meets a closed connection at its next check of the store; torchrun prints a
    traceback there (and, from C++, 40 lines of stack frames per failed store call). Here it is one line
-   naming the store and its node, exit code 1, and this node's workers stopped (the agent stops them on
-   its way out). Not all nodes at the rendezvous in time is a user error (wrong --nnodes or endpoint).
+   naming the store and its node, exit code EXIT_STORE_LOST (3), and this node's workers stopped (the agent
+   stops them on its way out). The code says "ended because another node did": whoever gathers the nodes'
+   codes (`cluster run`) reports the host's own code, which says why, and may see this one first (the host's
+   process still tears down after its store is gone). Not all nodes at the rendezvous in time is a user
+   error (wrong --nnodes or endpoint).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import sys
 
 from largebatch.errors import UserError, report
 
+EXIT_STORE_LOST = 3   # step 3: this node ended because the host of the rendezvous store did (or the network failed)
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
 
@@ -125,7 +129,7 @@ def rendezvous_failure(exc: Exception, torchrun_args: list[str]) -> int:
     print(f"largebatch: {here} lost the rendezvous store at {endpoint}: the agent that hosts it has ended "
           f"(its node's output says why) or the network to it failed; {here}'s workers were stopped.",
           file=sys.stderr, flush=True)
-    return 1
+    return EXIT_STORE_LOST
 
 
 def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:

@@ -50,7 +50,8 @@ def use_channels_last(choice: str, device: torch.device, precision: str) -> bool
 # torch 2.13's oneDNN corrupts the heap computing the weight gradient of a 1x1 convolution with stride 2 and fewer
 # than 8 input channels in channels-last memory on CPU (seen on an AVX2-only EPYC, 1 intra-op thread: a segfault
 # or 'munmap_chunk(): invalid pointer' in mkldnn_convolution_backward_weights at the first backward; 8 channels,
-# stride 1, NCHW memory or CUDA are fine). A ResNet below width 8 has one (its layer2 shortcut).
+# stride 1 and NCHW memory are fine; CUDA runs convolutions in cuDNN, not here). A ResNet below width 8 has one
+# (its layer2 shortcut).
 NARROW_CHANNELS = 8
 
 

@@ -289,10 +289,49 @@ def test_the_other_nodes_end_in_one_line_when_node_0_and_its_store_are_gone(tmp_
     t0 = time.monotonic()
     r = _run("--nodes", "2", "--keep-going", "--exec", "--", "python", str(script), timeout=170)
     out = r.stdout + r.stderr
-    assert r.returncode == 2, out
+    assert r.returncode == 2, out   # node 0's own code: node 1's (launch.EXIT_STORE_LOST) only follows from it
+    assert "[cluster] node 0 exited with code 2" in r.stderr, out
     assert "node 0's worker exits 2" in out
     assert re.search(r"^\[node 1\] largebatch: node 1 lost the rendezvous store at 10\.213\.0\.1:\d+: .*"
                      r"node 1's workers were stopped\.$", r.stdout, re.M), out
     assert "Traceback" not in out and "frame #" not in out and "TCPStore.cpp" not in out, out
     assert time.monotonic() - t0 < 55, "node 1 slept on instead of ending with the store"
     assert _namespaces_of(_run_id(r.stderr)) == []
+
+
+def _agent(code: int, after_s: float) -> subprocess.Popen:
+    """A stand-in agent process (its own process group, as `cluster run` starts them): exits `code` after `after_s`."""
+    return subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({after_s}); sys.exit({code})"],
+                            start_new_session=True)
+
+
+def test_a_node_that_lost_the_store_first_does_not_hide_node_0s_code(capfd: pytest.CaptureFixture[str]) -> None:
+    """Node 1's agent exits EXIT_STORE_LOST while node 0's process still tears down: `cluster run` reports
+    node 0's own code, which says why, not node 1's consequence (the race that made the test above flaky)."""
+    from largebatch.commands.cluster import wait_for_agents
+    from largebatch.launch import EXIT_STORE_LOST
+
+    for keep_going in (False, True):
+        procs = [_agent(2, 1.5), _agent(EXIT_STORE_LOST, 0.0)]
+        assert wait_for_agents(procs, keep_going) == 2
+        assert "[cluster] node 0 exited with code 2" in capfd.readouterr().err
+
+
+def test_a_node_that_lost_the_store_while_node_0_runs_on_stops_the_run(capfd: pytest.CaptureFixture[str]) -> None:
+    """The network to node 0 failed: node 0 does not end, so after the grace period the others are stopped and
+    the code is EXIT_STORE_LOST."""
+    from largebatch.commands.cluster import wait_for_agents
+    from largebatch.launch import EXIT_STORE_LOST
+
+    procs = [_agent(0, 120.0), _agent(EXIT_STORE_LOST, 0.0)]
+    t0 = time.monotonic()
+    try:
+        assert wait_for_agents(procs, keep_going=False, store_lost_grace_s=0.5) == EXIT_STORE_LOST
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert time.monotonic() - t0 < 30
+    assert procs[0].returncode == -signal.SIGTERM
+    assert "node 0 has not ended in 0.5 s; stopping the other nodes" in capfd.readouterr().err

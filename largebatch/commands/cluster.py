@@ -36,7 +36,10 @@ Steps (the code of `run_cluster` follows them):
      --rdzv-endpoint 10.213.0.1:PORT --local-addr <addr_i> -m largebatch CMD...`,
      each in its own process group, output streamed with a "[node i]" prefix.
   7. Wait: the exit code is the first non-zero agent exit code (or 0); unless
-     --keep-going, the first failure stops the other agents.
+     --keep-going, the first failure stops the other agents. An agent that ended because it lost
+     node 0's rendezvous store (launch.EXIT_STORE_LOST) is not that failure: node 0's own code,
+     which comes moments later, says why (after STORE_LOST_GRACE_S without it, the others are
+     stopped and the code is EXIT_STORE_LOST).
   8. Tear down, always (normal exit, failure, Ctrl-C, SIGTERM, SIGHUP): stop the agent
      process groups (SIGTERM, then SIGKILL after a grace period), kill what is left
      inside the run's namespaces, delete the namespaces (which deletes their links).
@@ -56,12 +59,14 @@ from dataclasses import dataclass, field
 
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
+from largebatch.launch import EXIT_STORE_LOST
 
 SUBNET = "10.213.0"  # a private /24 that exists only inside the run's namespaces
 NODE_IFNAME = "eth0"  # the node's end of its link; the name is local to the node's namespace
 MAX_NODES = 200
 PREFIX = "lbc-"  # every namespace of every run starts with this
 STOP_GRACE_S = 5.0  # between SIGTERM and SIGKILL of the agents
+STORE_LOST_GRACE_S = 30.0  # a node that lost node 0's store waits this long for node 0's own exit code
 
 
 @dataclass(frozen=True)
@@ -339,23 +344,41 @@ def launch_and_wait(cluster: Cluster, spec: ClusterSpec, procs: list[subprocess.
         t = threading.Thread(target=_stream, args=(node, p.stdout, lock), daemon=True)
         t.start()
         threads.append(t)
+    code = wait_for_agents(procs, spec.keep_going)
+    for t in threads:
+        t.join(timeout=5)
+    return code
+
+
+def wait_for_agents(procs: list[subprocess.Popen], keep_going: bool,
+                    store_lost_grace_s: float = STORE_LOST_GRACE_S) -> int:
+    """Step 7: wait for every agent (`procs[i]` is node i's); the first failure's exit code, or 0."""
     first_failure = 0
-    running = set(range(spec.nodes))
+    lost_since = None   # when the first node ended for having lost node 0's store (launch.EXIT_STORE_LOST)
+    running = set(range(len(procs)))
     while running:
         for node in sorted(running):
             rc = procs[node].poll()
             if rc is None:
                 continue
             running.discard(node)
-            if rc != 0 and first_failure == 0:
+            if rc == EXIT_STORE_LOST and first_failure == 0:   # a consequence: node 0's own code says why
+                lost_since = lost_since or time.monotonic()
+            elif rc != 0 and first_failure == 0:
                 first_failure = rc if rc > 0 else 128 - rc  # killed by a signal: shell convention
                 print(f"[cluster] node {node} exited with code {rc}" +
-                      ("" if spec.keep_going else "; stopping the other nodes"), file=sys.stderr, flush=True)
-                if not spec.keep_going:
+                      ("" if keep_going else "; stopping the other nodes"), file=sys.stderr, flush=True)
+                if not keep_going:
                     _stop(procs)
+        if lost_since and first_failure == 0 and running and not keep_going \
+                and time.monotonic() - lost_since > store_lost_grace_s:   # node 0 runs on: the network failed
+            first_failure = EXIT_STORE_LOST
+            print(f"[cluster] a node lost node 0's rendezvous store and node 0 has not ended in "
+                  f"{store_lost_grace_s:g} s; stopping the other nodes", file=sys.stderr, flush=True)
+            _stop(procs)
         time.sleep(0.1)
-    for t in threads:
-        t.join(timeout=5)
+    if first_failure == 0 and lost_since:
+        first_failure = EXIT_STORE_LOST
     return first_failure
 
 

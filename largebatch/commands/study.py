@@ -463,8 +463,8 @@ def earlier_machines(out: Path) -> dict[str, str]:
         earlier = json.loads((out / "study.json").read_text())
     except (OSError, ValueError):
         return {}
-    return {c["run_dir"]: c.get("machine") or earlier.get("machine") for c in earlier.get("cells", [])
-            if c.get("top1") is not None and "run_dir" in c and (c.get("machine") or earlier.get("machine"))}
+    return {c["run_dir"]: name for c in earlier.get("cells", [])
+            if c.get("top1") is not None and "run_dir" in c and (name := c.get("machine") or earlier.get("machine"))}
 
 
 def machines(cells: list[dict]) -> str:
