@@ -246,6 +246,7 @@ def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path)
     assert {r["global_batch"] for r in metrics if r["kind"] == "train"} == {32, 64}   # the switch happened
     assert "verdict" in data["table"] and "Claim" in (out / "study.md").read_text()
     assert "machine time of the finished cells: " in (out / "study.md").read_text()
+    assert f"Machine: {data['cells'][0]['machine']}; " in (out / "study.md").read_text()   # as written, case kept
     assert "did not hold" in proc.stderr or "held" in proc.stderr
 
 

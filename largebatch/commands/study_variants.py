@@ -305,7 +305,8 @@ def run(kind: str, argv: list[str]) -> int:
             continue
         table = summarise(kind, cells)
         (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
-        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\n{study.machines(cells).capitalize()}; machine time "
+        machines = study.machines(cells)   # not str.capitalize(): it lowercases the CPU's name
+        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\n{machines[:1].upper() + machines[1:]}; machine time "
                                            f"of the finished cells: {study.machine_time(cells)}\n\n"
                                            + markdown(kind, table, split))
         if any(n != "verdict" for n in table):
