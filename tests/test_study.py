@@ -332,7 +332,7 @@ def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_pa
 
 def test_study_cells_under_docs_are_committed_but_never_their_weights() -> None:
     """A study's per-cell files under docs/large_batch/ are its evidence and what a stopped study resumes from:
-    git must not ignore them (the repository-wide runs/ rule once did), and must ignore their weights."""
+    git must not ignore them (the repository-wide runs/ rule once did), and must ignore their weights and run locks."""
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
         pytest.skip("not a git checkout: no .gitignore rules to check")
@@ -347,6 +347,6 @@ def test_study_cells_under_docs_are_committed_but_never_their_weights() -> None:
 
     for name in ("summary.json", "metrics.jsonl", "config.yaml", "train.log"):
         assert not ignored(f"{cell}/{name}"), name
-    for name in ("checkpoints/step_00000100.pt", "snapshots/snapshot_1.pt", "model.pt"):
+    for name in ("checkpoints/step_00000100.pt", "snapshots/snapshot_1.pt", "model.pt", ".largebatch.lock"):
         assert ignored(f"{cell}/{name}"), name
     assert ignored("runs/fashion_mnist-20261125/summary.json")   # a user's own runs stay out
