@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from largebatch.commands.bench.train import matmul_peak_gflops, parse_config
+from largebatch.commands.bench.train import fitting_size, matmul_peak_gflops, parse_config
 from largebatch.errors import UserError
 
 
@@ -44,3 +44,13 @@ def test_matmul_peak_is_a_real_measurement(one_thread):
     # descheduled one at every barrier and measured 0.004-0.011 GFLOP/s (a scheduler slice per product) where
     # 1 thread measured 57; the suite once failed here (2026-11-25, AVX2 EPYC, beside a 2-worker training).
     assert 0.01 < matmul_peak_gflops(__import__("torch").float32, 64, min_time_s=0.01) < 1e5
+
+
+def test_a_slow_dtype_is_measured_at_a_size_that_fits_the_time():
+    # bf16 on AVX2 ran 0.3 GFLOP/s: one 2048^3 product took a minute, and the peak two of them.
+    import torch
+
+    assert fitting_size(torch.float32, 2048, min_time_s=1e-9) == 256     # nothing fits: the probe's size
+    assert fitting_size(torch.float32, 2048, min_time_s=1e9) == 2048     # everything fits: as asked
+    assert fitting_size(torch.float32, 128, min_time_s=1e-9) == 128      # below the probe: as asked
+    assert 256 <= fitting_size(torch.bfloat16, 2048, min_time_s=0.5) <= 2048

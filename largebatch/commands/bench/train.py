@@ -3,7 +3,8 @@
 Everything below runs in one process, in the same run, with the same threads (cores / local workers):
 
 1. Peak: GFLOP/s of a large square matrix multiply (--peak-size, default 2048) in fp32 and in bf16, the
-   best of several repetitions each. The machine's matmul peak is the faster of the two.
+   best of several repetitions each. The machine's matmul peak is the faster of the two. On a CPU a dtype
+   with no units of its own (bf16 on AVX2) is measured at the size one product takes half a second at.
 2. Plain PyTorch: the same architecture (`build_model`, fresh weights), fp32, NCHW, eager, float input,
    ``torch.optim.SGD(momentum=0.9, weight_decay=1e-4)``: ``zero_grad; cross_entropy(model(x), y).backward();
    step`` -- the loop a user would write.
@@ -49,6 +50,21 @@ PEERS = ("timm", "torchvision")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fitting_size(dtype: torch.dtype, size: int, min_time_s: float, probe: int = 256) -> int:
+    """Step 1: `size`, halved until one product is timed at most `min_time_s` from a `probe`-sized one, and not
+    below `probe`: a CPU dtype with no units of its own (bf16 on AVX2, 0.3 GFLOP/s) would take minutes at 2048."""
+    if size <= probe:
+        return size
+    m = torch.randn(probe, probe).to(dtype)
+    torch.mm(m, m)
+    t0 = time.perf_counter()
+    torch.mm(m, m)
+    per_probe = time.perf_counter() - t0
+    while size > probe and per_probe * (size / probe) ** 3 > min_time_s:
+        size //= 2
+    return max(size, probe)
 
 
 def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5,
@@ -242,11 +258,13 @@ def main(argv: list[str]) -> int:
         torch.backends.cudnn.benchmark = True
     threads = dist_mod.set_threads(args.threads, 1)
     # 1. Peaks.
-    peak_fp32 = matmul_peak_gflops(torch.float32, args.peak_size, device=device)
-    peak_bf16 = matmul_peak_gflops(torch.bfloat16, args.peak_size, device=device)
+    sizes = {dtype: fitting_size(dtype, args.peak_size, 0.5) if device.type == "cpu" else args.peak_size
+             for dtype in (torch.float32, torch.bfloat16)}
+    peak_fp32 = matmul_peak_gflops(torch.float32, sizes[torch.float32], device=device)
+    peak_bf16 = matmul_peak_gflops(torch.bfloat16, sizes[torch.bfloat16], device=device)
     peak = max(peak_fp32, peak_bf16)
-    log(f"matmul peak ({args.peak_size}^3, {threads} threads): fp32 {peak_fp32:.1f} GFLOP/s, "
-        f"bf16 {peak_bf16:.1f} GFLOP/s")
+    log(f"matmul peak ({threads} threads): fp32 {peak_fp32:.1f} GFLOP/s ({sizes[torch.float32]}^3), "
+        f"bf16 {peak_bf16:.1f} GFLOP/s ({sizes[torch.bfloat16]}^3)")
     flops_per_image = 3 * count_flops(build_model(args.model, args.classes, in_channels=3, stem=_stem(args),
                                                   width=args.width), (1, 3, args.image_size, args.image_size))
     # 2.-4. Entries, measured interleaved.
@@ -296,7 +314,8 @@ def main(argv: list[str]) -> int:
                                              for n, r in results.items()))
     print(f"best {best}: {rate:.1f} img/s, {rate / plain:.2f}x plain; MFU {out['mfu']:.1%} of the machine's "
           f"{peak:.0f} GFLOP/s matmul peak (fp32 peak {peak_fp32:.0f}: {out['mfu_fp32_peak']:.1%}, "
-          f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})")
+          + (f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})" if peak_bf16 >= peak_fp32 else
+             f"bf16 peak {peak_bf16:.1f}: below fp32, so no bf16 units)"))
     if peer_results:
         print("peers (plain loop, same settings): " + "; ".join(
             f"{n} {r['images_per_s']:.1f} img/s" for n, r in peer_results.items()))
