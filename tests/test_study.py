@@ -31,6 +31,46 @@ def test_plan_expands_the_lr_grid_and_seeds():
         study.lr_grid(["sgd:0.1,-1"], ["sgd"])
 
 
+def test_claims_only_keeps_the_baseline_and_each_claims_cell():
+    pairs = study.claim_cells([64, 384, 1536, 3072, 6144], ["sgd", "lars", "lamb"])
+    assert pairs == {(64, "sgd"), (384, "sgd"), (3072, "sgd"), (1536, "lars"), (1536, "lamb")}
+    assert study.claim_cells([64, 1536], ["sgd", "lars"]) == {(64, "sgd"), (1536, "lars")}
+    cells = study.plan_cells([64, 1536], ["sgd", "lars"], 2, {}, only={(64, "sgd"), (1536, "lars")})
+    assert cells == [(64, "sgd", None, 0), (1536, "lars", None, 0), (64, "sgd", None, 1), (1536, "lars", None, 1)]
+    with pytest.raises(UserError, match="add sgd to --optimizers"):
+        study.claim_cells([64, 1536], ["lars"])
+    with pytest.raises(UserError, match="no claim's cell is in --batches"):
+        study.claim_cells([64, 128], ["sgd", "lars"])
+
+
+def test_the_claims_script_reruns_the_committed_final_cells_exactly(tmp_path):
+    """scripts/reproduce_claims.sh re-checks docs/large_batch.md's claims from the committed tuning choices: its
+    cells are exactly the committed final cells the claims read (same lr, same --set list), 27 of them."""
+    import sys
+
+    lb = Path(sys.executable).parent / "largebatch"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(["bash", "scripts/reproduce_claims.sh", str(tmp_path / "claims")], capture_output=True,
+                          cwd=root, text=True, env={**__import__("os").environ, "DRY_RUN": "1", "LB": str(lb)}, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+
+    def without_run_dir(command: str) -> str:
+        words = shlex.split(command)
+        i = words.index("--run-dir")
+        return shlex.join(words[:i] + words[i + 2:])
+
+    listed = [without_run_dir(line.strip()) for line in proc.stderr.splitlines()
+              if line.startswith("  largebatch train ")]
+    assert not (tmp_path / "claims").exists()
+    pairs = study.claim_cells([64, 384, 1536, 3072, 6144], ["sgd", "lars", "lamb"])
+    committed = []
+    for name in ("final", "batch_control/final", "ensemble/final"):
+        cells = json.loads((root / "docs/large_batch" / name / "study.json").read_text())["cells"]
+        committed += [without_run_dir(c["command"]) for c in cells
+                      if name != "final" or (c["batch"], c["optimizer"]) in pairs]
+    assert len(listed) == 27 and sorted(listed) == sorted(committed)
+
+
 def test_cell_overrides_and_directories():
     args = SimpleNamespace(opt_set=[], micro_batch=512, epochs=24, overrides=["model.width=8"], val_split=10000)
     sets = study.cell_overrides(args, 384, "lars", 1, lr=4.0)

@@ -11,6 +11,9 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
 3. Run the cells one after another, each a `largebatch train` of its own (its own torchrun world,
    run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
    checkpoints resumes from them: an interrupted study continues where it stopped.
+   `--claims-only` keeps only the cells the papers' claims read (`CLAIMS`): SGD at the smallest batch and
+   each claim's optimizer at its batch; with `--from-tuning` it re-checks the claims for a fraction of the
+   grid's time.
 4. After every cell write OUT/study.json (all cells, each with its exact `largebatch train` command),
    OUT/study.md (top-1 mean and spread per batch x optimizer (x lr), and the final training loss) and
    OUT/study.png (top-1 vs global batch, error bars over seeds, the ImageNet-equivalent batch on top).
@@ -73,6 +76,9 @@ def parser() -> ArgumentParser:
     p.add_argument("--from-tuning", type=Path, action="append", default=[], metavar="TUNING_OUT",
                    help="final: each batch x optimizer's lr chosen by the tuning study in this directory "
                         "(repeatable: the best over studies of one protocol)")
+    p.add_argument("--claims-only", action="store_true",
+                   help="run only the cells the papers' claims read: SGD at the smallest batch (the baseline) and "
+                        "each claim's optimizer at its batch, of those in --batches and --optimizers")
     p.add_argument("--dry-run", action="store_true", help="check and list the cells, train nothing")
     return p
 
@@ -197,13 +203,17 @@ def chosen_lrs_of(tuning_outs: list[Path]) -> dict[tuple[int, str], float | None
 
 
 def plan_cells(batches: list[int], optimizers: list[str], seeds: int, grid: dict[str, list[float]],
-               chosen: dict[tuple[int, str], float | None] | None = None) -> list[tuple[int, str, float | None, int]]:
+               chosen: dict[tuple[int, str], float | None] | None = None,
+               only: set[tuple[int, str]] | None = None) -> list[tuple[int, str, float | None, int]]:
     """Step 1: (batch, optimizer, lr or None for the optimizer's setting, seed), seeds outermost so that a
-    stopped study has whole seeds done; the lr comes from the grid, or from a tuning study's choice."""
+    stopped study has whole seeds done; the lr comes from the grid, or from a tuning study's choice. `only`
+    (`claim_cells`) keeps those (batch, optimizer) pairs of the grid."""
     cells = []
     for s in range(seeds):
         for b in batches:
             for o in optimizers:
+                if only is not None and (b, o) not in only:
+                    continue
                 if chosen is not None:
                     if (b, o) not in chosen:
                         raise UserError(f"--from-tuning has no choice for {o} at batch {b}; tune that cell too.")
@@ -419,6 +429,22 @@ CLAIMS = (
 )
 
 
+def claim_cells(batches: list[int], optimizers: list[str]) -> set[tuple[int, str]]:
+    """Step 1, --claims-only: the (batch, optimizer) pairs `claims` reads, of those given: SGD at the smallest
+    batch, the baseline, and each claim's cell. Without the baseline or any claim's cell, one sentence."""
+    if "sgd" not in optimizers:
+        raise UserError("--claims-only measures every claim against SGD at the smallest batch; add sgd to "
+                        "--optimizers.")
+    base = min(batches)
+    pairs = {(batch, opt) for _, _, opt, batch, _, _ in CLAIMS if batch in batches and opt in optimizers
+             and batch != base}
+    if not pairs:
+        known = ", ".join(f"{opt} at {batch}" for _, _, opt, batch, _, _ in CLAIMS)
+        raise UserError(f"--claims-only: no claim's cell is in --batches and --optimizers; the claims read {known}, "
+                        f"each against sgd at the smallest batch.")
+    return pairs | {(base, "sgd")}
+
+
 def claims(table: dict) -> list[dict]:
     """Each claim of `CLAIMS` whose cells ran: the measured difference (chosen lr, mean over seeds) against the
     baseline, SGD at the smallest batch, and whether it held. The spread is the larger of the two seeds' standard
@@ -514,10 +540,13 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
     diverged_path = run_dir / DIVERGED
     argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
             *[x for kv in sets for x in ("--set", kv)]]
+    command = " ".join(shlex.quote(c) for c in ["largebatch", *argv])
     if not summary_path.exists() and not diverged_path.exists():
         resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
         console.print(f"[bold]study[/] cell {position}: {label}{' (resuming)' if resume else ''}")
-        if not args.dry_run:
+        if args.dry_run:   # the exact command, so that one cell can be run by hand
+            console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
+        else:
             t0 = time.perf_counter()
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
@@ -534,7 +563,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
     cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None,
                             "diverged": diverged_path.exists() and not summary_path.exists(),
-                            "command": " ".join(shlex.quote(c) for c in ["largebatch", *argv])}
+                            "command": command}
     if summary_path.exists():
         summ = json.loads(summary_path.read_text())
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
@@ -565,7 +594,8 @@ def main(argv: list[str]) -> int:
     if args.from_tuning and (grid or args.val_split):
         raise UserError("--from-tuning runs the chosen settings on the test set; leave out --lr-grid and --val-split.")
     chosen = chosen_lrs_of(args.from_tuning)
-    plan = plan_cells(batches, optimizers, args.seeds, grid, chosen)
+    only = claim_cells(batches, optimizers) if args.claims_only else None
+    plan = plan_cells(batches, optimizers, args.seeds, grid, chosen, only)
     train_size = _check_cells(args, batches, optimizers)
 
     from rich.console import Console
@@ -589,7 +619,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,
-            "batches": batches, "optimizers": optimizers, "train_size": train_size,
+            "batches": batches, "optimizers": optimizers, "claims_only": args.claims_only, "train_size": train_size,
             "machine": machine(torch.device("cpu"))}
 
     cells: list[dict] = []
