@@ -15,7 +15,7 @@ def test_bench_train_tiny_run_writes_consistent_json(cli, tmp_path):
                "--configs", "fp32,fp32-cl", "--json", out, check=True)
     data = json.loads(out.read_text())
     for key in ("images_per_s", "plain_images_per_s", "speedup", "mfu", "peak_matmul_gflops",
-                "peak_matmul_gflops_fp32", "peak_matmul_gflops_bf16", "mfu_bf16_peak", "mfu_fp32_peak"):
+                "peak_matmul_gflops_fp32", "peak_matmul_gflops_bf16", "peak_matmul_size_fp32", "peak_matmul_size_bf16", "mfu_bf16_peak", "mfu_fp32_peak"):
         assert data[key] > 0, key
     assert set(data["configs"]) == {"fp32", "fp32-cl"}
     best = data["configs"][data["best_config"]]

@@ -1,8 +1,10 @@
 """`largebatch study batch-scaling`: the cell plan (lr grid x seeds, or a tuning study's choices), the
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
+import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,12 +48,10 @@ def test_claims_only_keeps_the_baseline_and_each_claims_cell():
 def test_the_claims_script_reruns_the_committed_final_cells_exactly(tmp_path):
     """scripts/reproduce_claims.sh re-checks docs/large_batch.md's claims from the committed tuning choices: its
     cells are exactly the committed final cells the claims read (same lr, same --set list), 27 of them."""
-    import sys
-
     lb = Path(sys.executable).parent / "largebatch"
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/reproduce_claims.sh", str(tmp_path / "claims")], capture_output=True,
-                          cwd=root, text=True, env={**__import__("os").environ, "DRY_RUN": "1", "LB": str(lb)}, timeout=240)
+                          cwd=root, text=True, env={**os.environ, "DRY_RUN": "1", "LB": str(lb)}, timeout=240)
     assert proc.returncode == 0, proc.stderr
 
     def without_run_dir(command: str) -> str:

@@ -402,19 +402,18 @@ def plot(table: dict, optimizers: list[str], path: Path, train_size: int | None 
     plt.close(fig)
 
 
-def _check_cells(args, batches, optimizers) -> int:
-    """Step 2: every cell's plan resolves (divisibility, batch vs dataset size) before anything trains; the
-    training images per cell."""
+def _check_cells(args, pairs: list[tuple[int, str]]) -> int:
+    """Step 2: every planned (batch, optimizer)'s plan resolves (divisibility, batch vs dataset size) before
+    anything trains; the training images per cell."""
     from largebatch import config as config_mod
     from largebatch.commands.train import _train_size, dry_run
 
-    base = config_mod.load(args.recipe, cell_overrides(args, batches[0], optimizers[0], 0))
+    base = config_mod.load(args.recipe, cell_overrides(args, *pairs[0], 0))
     size = _train_size(base)
     whole = size + (args.val_split or 0)   # data.train_size counts the images before the split
-    for b in batches:
-        for o in optimizers:
-            cfg = config_mod.load(args.recipe, cell_overrides(args, b, o, 0) + [f"data.train_size={whole}"])
-            dry_run(cfg, args.nproc_per_node)
+    for b, o in pairs:
+        cfg = config_mod.load(args.recipe, cell_overrides(args, b, o, 0) + [f"data.train_size={whole}"])
+        dry_run(cfg, args.nproc_per_node)
     return size
 
 
@@ -596,7 +595,7 @@ def main(argv: list[str]) -> int:
     chosen = chosen_lrs_of(args.from_tuning)
     only = claim_cells(batches, optimizers) if args.claims_only else None
     plan = plan_cells(batches, optimizers, args.seeds, grid, chosen, only)
-    train_size = _check_cells(args, batches, optimizers)
+    train_size = _check_cells(args, list(dict.fromkeys((b, o) for b, o, _, _ in plan)))
 
     from rich.console import Console
 

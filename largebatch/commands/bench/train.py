@@ -57,7 +57,7 @@ def fitting_size(dtype: torch.dtype, size: int, min_time_s: float, probe: int = 
     below `probe`: a CPU dtype with no units of its own (bf16 on AVX2, 0.3 GFLOP/s) would take minutes at 2048."""
     if size <= probe:
         return size
-    m = torch.randn(probe, probe).to(dtype)
+    m = torch.randn(probe, probe, generator=torch.Generator().manual_seed(0)).to(dtype)
     torch.mm(m, m)
     t0 = time.perf_counter()
     torch.mm(m, m)
@@ -298,6 +298,7 @@ def main(argv: list[str]) -> int:
         "best_config": best, "images_per_s": rate, "plain_images_per_s": plain, "speedup": rate / plain,
         "train_gflops_per_image": flops_per_image / 1e9,
         "peak_matmul_gflops": peak, "peak_matmul_gflops_fp32": peak_fp32, "peak_matmul_gflops_bf16": peak_bf16,
+        "peak_matmul_size_fp32": sizes[torch.float32], "peak_matmul_size_bf16": sizes[torch.bfloat16],
         "mfu": rate * flops_per_image / (peak * 1e9),
         "mfu_fp32_peak": rate * flops_per_image / (peak_fp32 * 1e9),
         "mfu_bf16_peak": rate * flops_per_image / (peak_bf16 * 1e9),
