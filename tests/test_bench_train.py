@@ -54,3 +54,24 @@ def test_a_slow_dtype_is_measured_at_a_size_that_fits_the_time():
     assert fitting_size(torch.float32, 2048, min_time_s=1e9) == 2048     # everything fits: as asked
     assert fitting_size(torch.float32, 128, min_time_s=1e-9) == 128      # below the probe: as asked
     assert 256 <= fitting_size(torch.bfloat16, 2048, min_time_s=0.5) <= 2048
+
+
+@pytest.mark.timeout(120)
+def test_the_largebatch_entry_cycles_staged_batches_in_the_models_layout_and_never_changes_them(tmp_path, one_thread):
+    import argparse
+
+    import torch
+
+    from largebatch.commands.bench.train import largebatch_step_fn
+
+    args = argparse.Namespace(model="speedrun", width=4, image_size=16, classes=10, batch=8, optimizer="sgd",
+                              threads=1)
+    step = largebatch_step_fn(args, parse_config("fp32-cl"), tmp_path / "run")
+    staged = step.parts.staged
+    assert len(staged) == 2 and all(x.shape == (8, 3, 16, 16) and x.dtype == torch.uint8 for x, _ in staged)
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x, _ in staged)
+    assert not torch.equal(staged[0][0], staged[1][0])   # two different batches, not one repeated
+    before = [(x.clone(), y.clone()) for x, y in staged]
+    for _ in range(3):
+        step()
+    assert all(torch.equal(x, x0) and torch.equal(y, y0) for (x, y), (x0, y0) in zip(staged, before))

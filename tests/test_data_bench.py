@@ -82,3 +82,18 @@ def test_bench_command_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"--images is 4; give at least --batch \(8\)"):
         bench.main(["--images", "4", "--batch", "8"])
+
+
+def test_generated_tree_is_the_same_from_one_process_or_several_and_leaves_no_partial_file(tmp_path):
+    one, many = tmp_path / "one", tmp_path / "many"
+    bench.write_imagefolder(one, 70, width=40, height=30, processes=1)
+    bench.write_imagefolder(many, 70, width=40, height=30, processes=2)
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert len(files) == 70 + 10
+    assert files == sorted(p.relative_to(many) for p in many.rglob("*") if p.is_file())   # no *.part left
+    assert all((one / f).read_bytes() == (many / f).read_bytes() for f in files)
+    # an existing file is kept, not regenerated
+    kept = many / files[0]
+    kept.write_bytes(b"mine")
+    bench.write_imagefolder(many, 70, width=40, height=30, processes=2)
+    assert kept.read_bytes() == b"mine"

@@ -12,8 +12,12 @@ Everything below runs in one process, in the same run, with the same threads (co
    precision, channels_last, torch.compile) a real `Trainer` on the synthetic source (world size 1), timed
    through `Trainer.train_step` (largebatch/step.py) on micro-batches from its own sampler and source: uint8 pixels until the
    model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (foreach SGD), the one
-   finiteness host sync per step. The product's step, not a separate loop; the crop of the next batch is
-   timed with it.
+   finiteness host sync per step. The product's step, not a separate loop. Its input is staged: two
+   steps' micro-batches are drawn from the source once, in the model's memory format and, on CUDA, in
+   pinned memory (as the JPEG and shard loaders deliver them from their worker processes), and cycled.
+   Drawing a 224 px batch in this process costs about as much as a GPU step (the in-memory source's
+   per-pixel crop index: 50 ms of CPU per 256 images beside a 55 ms bf16 step on an H200), and it is the
+   loader's work, which `bench data` measures.
    Peers (--peers timm,torchvision): those libraries' own `resnet50`-style models (the same name as
    --model) through one plain loop with each configuration's settings (autocast precision, channels_last,
    torch.compile, GradScaler for fp16), named ``timm:CONFIG`` and ``torchvision:CONFIG``. A peer that is not
@@ -33,6 +37,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -182,9 +187,21 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
                                                       train=True, epoch=state["epoch"]))
         raise RuntimeError("the synthetic source yielded no batches")
 
+    fmt = torch.channels_last if trainer.channels_last else torch.contiguous_format
+    staged = []
+    for _ in range(2 * phase.accumulation):
+        x, y = next_micro()
+        x = x.contiguous(memory_format=fmt)
+        staged.append((x.pin_memory(), y.pin_memory()) if device.type == "cuda" else (x, y))
+    turn = [0]
+
     def step() -> None:
-        micros = [next_micro() for _ in range(phase.accumulation)]
+        micros = [staged[(turn[0] + i) % len(staged)] for i in range(phase.accumulation)]
+        turn[0] += phase.accumulation
         trainer.train_step(0, micros, phase, lr)   # ends in the per-step finiteness host sync
+    # its parts, for scripts/gpu_step_profile.py and the tests
+    step.parts = SimpleNamespace(trainer=trainer, next_micro=next_micro, staged=staged,  # type: ignore[attr-defined]
+                                 phase=phase, lr=lr)
     return step
 
 
