@@ -147,6 +147,23 @@ def test_batched_crop_flip_matches_per_image_reference():
     assert (xa != images).any(dim=(1, 2, 3)).float().mean() > 0.5
 
 
+def test_large_images_copied_per_window_equal_the_gather(monkeypatch):
+    from largebatch.data import keyed_random, memory, synthetic
+
+    # 70 x 70 px is over the window-copy area; a pool of 7 images for 40 exercises _storage
+    monkeypatch.setattr(synthetic, "POOL_BYTES", 7 * 3 * 70 * 70)
+    src = synthetic.SyntheticSource(40, 10, 70, seed=4, augment=True, padding=4)
+    assert src.pool == 7 and 70 * 70 >= memory.WINDOW_COPY_PIXELS
+    index = torch.tensor([0, 39, 7, 13, 13, 22, 5, 30, 31, 32])
+    windows = src.crop_flip(index, 1)
+    monkeypatch.setattr(memory, "WINDOW_COPY_PIXELS", 10**9)   # the per-pixel gather instead
+    gathered = src.crop_flip(index, 1)
+    assert windows.shape == (10, 3, 70, 70) and windows.dtype == torch.uint8
+    assert torch.equal(windows, gathered)
+    flips = [bool(keyed_random.hash32(src.seed, 1, i, 3) & 1) for i in index.tolist()]
+    assert any(flips) and not all(flips)   # both branches of the copy ran
+
+
 def test_synthetic_source_fixed_per_seed():
     cfg = DataConfig(dataset="synthetic", image_size=16, num_classes=7, synthetic_size=300)
     a, at, info = build_data(cfg, seed=3)

@@ -11,6 +11,11 @@ horizontal flip") done for a whole batch at once, without a Python loop per imag
 3. Build one int64 index per output pixel: ``((i*C + c)*Hp + oy + y)*Wp + x'`` where
    ``x' = ox + x`` or ``ox + W-1-x`` when flipped, and gather all pixels with a single
    ``take`` from the flat padded tensor (one pass over the output, uint8 throughout).
+   Images of 64 x 64 pixels or more (synthetic ImageNet-size data) are instead copied one
+   window per image into the batch (the same bytes): the index costs 8 bytes per output pixel
+   to build. One thread of a 2-core AVX2 EPYC, a batch of 256 at 224 px: 297 ms gathered,
+   28 ms copied; at 64 px 14.5 against 3.1 ms; at 28 px (512 images) the gather is faster,
+   3.7 against 5.5 ms.
 4. Without augmentation (evaluation, or a collapse phase) the batch is the centre
    ``H x W`` window of the padded images.
 """
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from largebatch.data import keyed_random
 
 _STREAM_Y, _STREAM_X, _STREAM_FLIP = 1, 2, 3
+WINDOW_COPY_PIXELS = 64 * 64   # step 3: from this image area on, copy one window per image
 
 
 class MemorySource:
@@ -64,12 +70,23 @@ class MemorySource:
         oy = keyed_random.hash32(self.seed, epoch, index, _STREAM_Y) % (2 * p + 1)
         ox = keyed_random.hash32(self.seed, epoch, index, _STREAM_X) % (2 * p + 1)
         flip = (keyed_random.hash32(self.seed, epoch, index, _STREAM_FLIP) & 1).bool()
+        if h * w >= WINDOW_COPY_PIXELS:
+            return self._copy_windows(self._storage(index), oy, ox, flip)
         # Step 3: one flat index per output pixel, then a single gather.
         xs = torch.where(flip[:, None], (w - 1) - self._xs[None, :], self._xs[None, :]) + ox[:, None]  # B x W
         rows = (oy[:, None] + self._ys[None, :]) * wp  # B x H
         plane = (self._storage(index)[:, None] * c + self._cs[None, :]) * (hp * wp)  # B x C
         flat = plane[:, :, None, None] + rows[:, None, :, None] + xs[:, None, None, :]
         return self._flat.take(flat)
+
+    def _copy_windows(self, rows: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+        """Step 3 for large images: each image's window copied (mirrored when flipped) into the batch."""
+        c, h, w = self.shape
+        out = torch.empty((rows.shape[0], c, h, w), dtype=torch.uint8)
+        for i, (r, y, x, f) in enumerate(zip(rows.tolist(), oy.tolist(), ox.tolist(), flip.tolist())):
+            window = self.padded[r, :, y:y + h, x:x + w]
+            out[i] = window.flip(2) if f else window
+        return out
 
     def center(self, index: torch.Tensor) -> torch.Tensor:
         """Step 4: the un-augmented images."""
