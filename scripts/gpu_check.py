@@ -39,7 +39,8 @@ SIZES = {
     "gpu": {"bench_train": ["--model", "resnet50", "--image-size", "224", "--batch", "256", "--steps", "5",
                             "--rounds", "3", "--peak-size", "8192",
                             "--configs", "fp32-cl,bf16-cl,fp16-cl,bf16-cl-compile"],
-            "images": 4096, "batch": 256, "workers": [8, 16], "size": 224, "passes": 2,
+            # a loader worker decodes a whole batch: 128 batches of 64 keep 16 workers busy for 8 each a pass
+            "images": 8192, "batch": 64, "workers": [8, 16], "size": 224, "passes": 2,
             # the full-width ResNet-50 (the default recipe's model.width is 12) for 40 steps (not its 4 epochs)
             "train": ["--set", "model.name=resnet50", "--set", "model.width=64", "--set", "model.stem=imagenet",
                       "--set", "schedule.epochs=100", "--set", "data.image_size=224", "--set", "batch.global_batch=256",
