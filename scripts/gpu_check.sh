@@ -20,8 +20,8 @@ mkdir -p "$OUT"
 # The package is imported from this checkout; where it is not installed (the GPU machine), pip installs it
 # and the carried wheels into a private folder, with the machine's own torch and no index.
 # (sys.path[0] is dropped first: it is the current directory under -c, where the checkout's own folder would
-# import without the wheels being installed)
-if ! "$PY" -c "import sys; sys.path.pop(0); import largebatch, pathlib; sys.exit(pathlib.Path(largebatch.__file__).resolve().parents[1] != pathlib.Path('$PWD').resolve())" 2>/dev/null; then
+# import without the wheels being installed; and the wheels' simplejpeg must import too)
+if ! "$PY" -c "import sys; sys.path.pop(0); import largebatch, pathlib, simplejpeg; sys.exit(pathlib.Path(largebatch.__file__).resolve().parents[1] != pathlib.Path('$PWD').resolve())" 2>/dev/null; then
   SITE=${LARGEBATCH_SITE:-/tmp/largebatch-site}
   if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || echo "gpu_check: wheel install failed" >&2
