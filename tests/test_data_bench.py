@@ -90,7 +90,7 @@ def test_generated_tree_is_the_same_from_one_process_or_several_and_leaves_no_pa
     bench.write_imagefolder(many, 70, width=40, height=30, processes=2)
     files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
     assert len(files) == 70 + 10
-    assert files == sorted(p.relative_to(many) for p in many.rglob("*") if p.is_file())   # no *.part left
+    assert files == sorted(p.relative_to(many) for p in many.rglob("*") if p.is_file())   # no temporary file left
     assert all((one / f).read_bytes() == (many / f).read_bytes() for f in files)
     # an existing file is kept, not regenerated
     kept = many / files[0]

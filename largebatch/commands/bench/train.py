@@ -32,6 +32,7 @@ Everything below runs in one process, in the same run, with the same threads (co
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import tempfile
@@ -193,11 +194,10 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
         x, y = next_micro()
         x = x.contiguous(memory_format=fmt)
         staged.append((x.pin_memory(), y.pin_memory()) if device.type == "cuda" else (x, y))
-    turn = [0]
+    turns = itertools.cycle(staged)
 
     def step() -> None:
-        micros = [staged[(turn[0] + i) % len(staged)] for i in range(phase.accumulation)]
-        turn[0] += phase.accumulation
+        micros = [next(turns) for _ in range(phase.accumulation)]
         trainer.train_step(0, micros, phase, lr)   # ends in the per-step finiteness host sync
     # its parts, for scripts/gpu_step_profile.py and the tests
     step.parts = SimpleNamespace(trainer=trainer, next_micro=next_micro, staged=staged,  # type: ignore[attr-defined]
