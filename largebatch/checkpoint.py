@@ -9,6 +9,13 @@
    truncated one is reported by name and the previous good one is used.
 5. Loading uses `torch.load(weights_only=True)`: no pickled code runs.
 6. `RunState` gathers a training run's parts into one checkpoint and restores them on a resume.
+7. Deleting only what the run wrote: before a checkpoint's two files are written, their names are
+   appended to the directory's manifest (`MANIFEST`, one name per line). `prune` removes only
+   regular files (never a symbolic link) that the manifest names, and the temporary files of the
+   writer's own naming (`.tmp-step-...-PID`); a file the run did not write (a checkpoint copied in by
+   hand, a file named like one, a checkpoint of a version that kept no manifest) is never deleted
+   and does not count towards `keep`. Files are written with O_NOFOLLOW into a directory that is no
+   symbolic link: a link is refused, never written through.
 A kill at any moment leaves the previous checkpoint intact.
 """
 from __future__ import annotations
@@ -18,6 +25,8 @@ import io
 import json
 import os
 import random
+import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -25,6 +34,8 @@ from pathlib import Path
 import torch
 
 PREFIX = "step-"
+MANIFEST = ".largebatch-written"   # step 7: the names of the files this directory's writer created
+_OWN_TMP = re.compile(r"\.tmp-(step-\d+\.(pt|json)|\.largebatch-written)-\d+")   # atomic_write's, of ours
 
 
 def _fsync_dir(path: Path) -> None:
@@ -38,7 +49,9 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        # O_NOFOLLOW: a symbolic link at the temporary name is refused (ELOOP), never written through; the
+        # rename replaces `path` itself, never the file a link there points to
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -50,13 +63,19 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def save(state: dict, directory: Path, step: int, *, keep: int | None = None, meta: dict | None = None) -> Path:
-    """Write `state` as checkpoint `step` in `directory`; keep the newest `keep` (None: all)."""
+    """Write `state` as checkpoint `step` in `directory`; keep the newest `keep` of those written here (None: all)."""
+    if directory.is_symlink():   # step 7: written through, pruning would delete files of another directory
+        from largebatch.errors import UserError
+
+        raise UserError(f"{directory} is a symbolic link, and a run writes only inside its own directory; replace "
+                        "the link by a real directory, or give another --run-dir.")
     directory.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
     path = directory / f"{PREFIX}{step:08d}.pt"
-    atomic_write(path, data)
+    _record(directory, [path.name, path.with_suffix(".json").name])   # before the files exist: a kill leaves none
+    atomic_write(path, data)                                          # unrecorded
     info = {"step": step, "file": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "time": time.time(), **(meta or {})}
     atomic_write(path.with_suffix(".json"), json.dumps(info, indent=1).encode())
@@ -69,19 +88,57 @@ def _metas(directory: Path) -> list[Path]:
     return sorted(directory.glob(f"{PREFIX}*.json"), reverse=True)
 
 
+def _record(directory: Path, names: list[str]) -> None:
+    """Step 7: append `names` to the manifest, in one write (a kill cannot leave half a line)."""
+    fd = os.open(directory / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, "".join(f"{n}\n" for n in names).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recorded(directory: Path) -> set[str]:
+    """Step 7: the names the manifest holds (files this directory's writer created, some since pruned)."""
+    try:
+        fd = os.open(directory / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return set()
+    with os.fdopen(fd) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
+def _regular(path: Path) -> bool:
+    """A regular file itself, not a symbolic link (to one) nor anything else."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def prune(directory: Path, keep: int) -> None:
-    metas = _metas(directory)
+    """Step 7: remove the checkpoints this directory's writer recorded, but the newest `keep` of them."""
+    ours = recorded(directory)
+    metas = [m for m in _metas(directory) if m.name in ours and _regular(m)]
+    removed = set()
     for meta in metas[keep:]:
         meta.unlink(missing_ok=True)   # metadata first: a kill in between leaves an ignored .pt, never a
-        meta.with_suffix(".pt").unlink(missing_ok=True)   # metadata file pointing at nothing
+        data = meta.with_suffix(".pt")  # metadata file pointing at nothing
+        if data.name in ours and _regular(data):
+            data.unlink(missing_ok=True)
+        removed |= {meta.name, data.name}
     kept = {m.with_suffix(".pt").name for m in metas[:keep]}
     if metas:
-        for orphan in directory.glob(f"{PREFIX}*.pt"):   # older data files whose metadata was removed
-            if orphan.name not in kept and orphan.name < metas[0].with_suffix(".pt").name:
+        for orphan in directory.glob(f"{PREFIX}*.pt"):   # older data files of ours whose metadata was removed
+            if (orphan.name in ours and orphan.name not in kept and orphan.name < metas[0].with_suffix(".pt").name
+                    and _regular(orphan)):
                 orphan.unlink(missing_ok=True)
-    for tmp in directory.glob(".tmp-*"):  # leftovers of a writer killed mid-write
-        if time.time() - tmp.stat().st_mtime > 60:
+                removed.add(orphan.name)
+    for tmp in directory.glob(".tmp-*"):  # leftovers of our writer killed mid-write
+        if _OWN_TMP.fullmatch(tmp.name) and _regular(tmp) and time.time() - tmp.lstat().st_mtime > 60:
             tmp.unlink(missing_ok=True)
+    if removed:   # the manifest forgets them: a file put under a pruned name later is not ours
+        atomic_write(directory / MANIFEST, "".join(f"{n}\n" for n in sorted(ours - removed)).encode())
 
 
 def verify(meta_path: Path) -> dict | None:
