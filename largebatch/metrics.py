@@ -1,7 +1,8 @@
 """What a run reports: metrics.jsonl, a live progress display, the summary, plots.
 
 Only rank 0 writes. Values arrive here already as Python numbers: the trainer does its
-host syncs on logging steps only.
+host syncs on logging steps only. Files are written with `rundir.open_own` (O_NOFOLLOW) into
+sub-directories from `rundir.own_dir`: a symbolic link among them is refused, never written through.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from largebatch.rundir import open_own, own_dir
 
 
 FLAGS_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
@@ -48,7 +51,7 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool = True):
         self.path = path
         self.enabled = enabled
-        self._f = open(path, "a") if enabled else None
+        self._f = open_own(path, "a") if enabled else None
 
     def write(self, record: dict) -> None:
         if self._f:
@@ -129,7 +132,7 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    own_dir(out_dir)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     series = {
@@ -151,7 +154,8 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
-        fig.savefig(path)
+        with open_own(path, "wb") as f:
+            fig.savefig(f, format="png")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -166,13 +170,15 @@ class Timer:
 
 
 def write_tensorboard(run_dir: Path) -> None:
+    if (run_dir / "tensorboard").is_symlink():   # refused whether or not the package is there
+        own_dir(run_dir / "tensorboard")
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         print("largebatch: train.tensorboard needs the tensorboard package: pip install -e .[tensorboard]",
               file=sys.stderr)
         return
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    writer = SummaryWriter(str(own_dir(run_dir / "tensorboard")))
     for rec in read(run_dir / "metrics.jsonl"):
         for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
             if key in rec:
@@ -183,9 +189,11 @@ def write_tensorboard(run_dir: Path) -> None:
 def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bool, tensorboard: bool) -> None:
     """A finished run's files: summary.json, corrupt_images.txt (when any image was skipped), the plots and
     the TensorBoard event file when asked for."""
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open_own(run_dir / "summary.json") as f:
+        f.write(json.dumps(summary, indent=2))
     if corrupt:
-        (run_dir / "corrupt_images.txt").write_text("\n".join(corrupt) + "\n")
+        with open_own(run_dir / "corrupt_images.txt") as f:
+            f.write("\n".join(corrupt) + "\n")
     if plots:
         plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
     if tensorboard:

@@ -17,6 +17,19 @@
    PR_SET_PDEATHSIG), so a SIGKILLed launcher never leaves workers writing behind a new run's back:
    they stop at the next step with a checkpoint, as after any SIGTERM.
 6. `agree(...)`: in a distributed run rank 0 claims, and every rank learns the path or the refusal.
+7. What a run may take (refused by `check` and `claim` too, one sentence naming the fix):
+   - never a system directory: `/` and its top-level directories (/etc, /usr, /home, /tmp, ...),
+     anything under /etc, /usr, /bin, /sbin, /lib*, /boot, /dev, /proc, /sys, and the user's home
+     directory; judged on the real path, so a symbolic link to one of them is refused too;
+   - a directory that holds no run only when it is empty or holds nothing but what a run writes
+     (`OWN_FILES`, `OWN_DIRS`) and a caller's logs (`*.log`, e.g. a study cell's train.log); a
+     directory of other files (a project, a home, runs/ with other runs in it) is not taken over;
+   - a directory that holds a run: with `--resume`; the files of others in it are left alone.
+8. A run writes only inside its own directory: none of its own names (`OWN_FILES`, `OWN_DIRS`) may
+   be a symbolic link, nor any entry of its sub-directories (a link there would be written through,
+   or replaced, or deleted by pruning). `open_own` and `own_dir` are the writers' side: files opened
+   with O_NOFOLLOW, sub-directories that are no links. What it deletes: `checkpoint.prune` removes only
+   checkpoints the run recorded in its manifest as written by it.
 """
 from __future__ import annotations
 
@@ -32,6 +45,14 @@ from largebatch.errors import UserError
 
 LOCK = ".largebatch.lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+# Step 7: everything a run creates at the top of its directory, and the sub-directories it writes into.
+OWN_FILES = (*RUN_FILES, "corrupt_images.txt", LOCK)
+OWN_DIRS = ("checkpoints", "snapshots", "plots", "tensorboard")
+CALLER_LOGS = "*.log"
+# A run directory is never one of these, nor anything under SYSTEM_TREES (judged on the real path).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys",
+                "/usr")
+SYSTEM_DIRS = ("/", "/home", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/var/tmp")
 
 
 def holds_run(path: Path) -> bool:
@@ -43,12 +64,92 @@ def holds_run(path: Path) -> bool:
     return any((path / "checkpoints").glob("step-*.json")) or any((path / "snapshots").glob("*"))
 
 
+def _shown(path: Path, real: Path) -> str:
+    return f"{path}" if Path(os.path.abspath(path)) == real else f"{path} (which leads to {real})"
+
+
+def _refuse_system(path: Path) -> None:
+    """Step 7: a system directory or the home directory, by its real path."""
+    real = Path(os.path.realpath(path))
+    home = Path(os.path.realpath(Path.home()))
+    trees = [Path(t) for t in SYSTEM_TREES]
+    if real == home:
+        raise UserError(f"--run-dir {_shown(path, real)} is your home directory; give a directory of the run's "
+                        "own, e.g. runs/NAME.")
+    if real in (*map(Path, SYSTEM_DIRS), *trees) or any(t in real.parents for t in trees):
+        raise UserError(f"--run-dir {_shown(path, real)} is a system directory; give a directory of the run's own, "
+                        "e.g. runs/NAME.")
+
+
+def link_sentence(path: Path) -> str:
+    """The refusal of a symbolic link among a run's own names (step 8)."""
+    try:
+        to = f" to {os.readlink(path)}"
+    except OSError:
+        to = ""
+    return (f"{path} is a symbolic link{to}, and a run writes only inside its own directory; replace the link by "
+            "a real directory or file, or give another --run-dir.")
+
+
+def _refuse_links(path: Path) -> None:
+    """Step 8: none of the run's own names is a symbolic link, nor anything in its sub-directories."""
+    for name in (*OWN_FILES, *OWN_DIRS):
+        if (path / name).is_symlink():
+            raise UserError(link_sentence(path / name))
+    for name in OWN_DIRS:
+        if (path / name).is_dir():
+            with os.scandir(path / name) as entries:
+                for entry in sorted(entries, key=lambda e: e.name):
+                    if entry.is_symlink():
+                        raise UserError(link_sentence(path / name / entry.name))
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """Step 7: the names in `path` that neither a run nor its caller's logs account for, sorted."""
+    own = {*OWN_FILES, *OWN_DIRS}
+    with os.scandir(path) as entries:
+        return sorted(e.name for e in entries
+                      if e.name not in own and not (Path(e.name).match(CALLER_LOGS) and e.is_file(follow_symlinks=False)))
+
+
 def _refuse_reasons(path: Path, resume: bool) -> None:
+    _refuse_system(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"--run-dir {path} is a file, not a directory; give a directory path for the run.")
-    if not resume and holds_run(path):
-        raise UserError(f"run directory {path} already holds a run; continue it with --resume, or give a fresh "
-                        "--run-dir to start a new one.")
+    if not path.is_dir():
+        return
+    _refuse_links(path)
+    if holds_run(path):
+        if not resume:
+            raise UserError(f"run directory {path} already holds a run; continue it with --resume, or give a fresh "
+                            "--run-dir to start a new one.")
+        return
+    foreign = foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"--run-dir {path} holds files that are not a largebatch run's ({shown}); give a new or "
+                        "empty --run-dir, so that the run neither mixes its files with them nor writes over them.")
+
+
+def own_dir(path: Path) -> Path:
+    """Step 8: a sub-directory of a run (`OWN_DIRS`), created when missing; refused when it is a symbolic link."""
+    if path.is_symlink():
+        raise UserError(link_sentence(path))
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def open_own(path: Path, mode: str = "w"):
+    """Step 8: one of a run's files opened for writing ("w"/"wb" truncate, "a" appends), never through a symbolic
+    link (O_NOFOLLOW: a link there is refused with `link_sentence`)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(link_sentence(path)) from None
+        raise
+    return os.fdopen(fd, mode)
 
 
 def _holder(lock_path: Path) -> str:
@@ -67,7 +168,7 @@ def _in_use(path: Path) -> UserError:
 def in_use(path: Path) -> bool:
     """Whether a live process holds the run directory's lock (is writing the run now)."""
     try:
-        fd = os.open(path / LOCK, os.O_RDONLY)
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
@@ -113,7 +214,7 @@ def claim(path: Path, resume: bool) -> Claim:
         raise UserError(f"cannot create run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
             from None
     try:
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise UserError(f"cannot write in run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
             from None
@@ -158,7 +259,7 @@ def agree(run_dir: Path | None, resume: bool, *, main: bool, distributed: bool, 
             p = Path(path[0])
             held = claim(p, resume)
             reliability.remember_run_dir(store, p)
-            (p / "checkpoints").mkdir(exist_ok=True)
+            own_dir(p / "checkpoints")
         except UserError as err:
             path[1] = str(err)
         except OSError as err:   # the run directory's disk or permissions: still every rank's error

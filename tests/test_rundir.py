@@ -148,7 +148,7 @@ def test_claim_keeps_modes_of_existing_directories_and_locks(tmp_path):
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(new.stat().st_mode) == 0o755          # a directory it creates: never world-writable
-    (new / "notes.txt").write_text("a file of the user's is no run")
+    (new / "train.log").write_text("a caller's log is no run")   # other files: test_run_dir_safety.py
     rundir.claim(new, resume=False).release()
     (new / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="already holds a run"):
