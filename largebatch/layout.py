@@ -63,3 +63,39 @@ def cpu_channels_last_hazard(model: torch.nn.Module) -> str | None:
                 and m.in_channels < NARROW_CHANNELS):
             return f"{name} ({m.in_channels} input channels)"
     return None
+
+
+def prefetch(steps, device: torch.device, channels_last: bool):
+    """The training loop's steps `(phase, micro-batches, wait)` with the micro-batches already on `device` in
+    the model's layout. On CUDA each step's host-to-device copies run on a side stream one step ahead: when
+    step k is handed out, step k + 1's batches are fetched and their copy is queued behind nothing but the
+    previous copies, so it overlaps step k's kernels; the compute stream waits for step k's copy alone (an
+    event), and the tensors are recorded on it so the allocator keeps them until the step has used them. The
+    batches should be pinned (the loaders pin them on CUDA) for the copy to be asynchronous. Elsewhere a
+    pass-through: the step moves its batches itself."""
+    if device.type != "cuda":
+        yield from steps
+        return
+    side = torch.cuda.Stream(device)
+
+    def issue(item):
+        phase, micros, wait = item
+        with torch.cuda.stream(side):
+            moved = [(to_model_layout(x, device, channels_last), y.to(device, non_blocking=True)) for x, y in micros]
+            ready = torch.cuda.Event()
+            ready.record()
+        return phase, moved, wait, ready
+
+    it = iter(steps)
+    pending = next(it, None)
+    ahead = issue(pending) if pending is not None else None
+    while ahead is not None:
+        following = next(it, None)
+        current, ahead = ahead, issue(following) if following is not None else None
+        phase, moved, wait, ready = current
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(ready)
+        for x, y in moved:
+            x.record_stream(compute)
+            y.record_stream(compute)
+        yield phase, moved, wait

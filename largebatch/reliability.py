@@ -24,9 +24,12 @@ The pieces and the order in which the trainer uses them:
    waits 1.5 intervals for the peers' threads, reads every rank's record and raises
    `CollectiveTimeout` naming the region, the step and the ranks whose record is behind.
 5. Stop agreement. SIGTERM / SIGINT only set a local flag. Each step starts an asynchronous
-   1-element MAX all-reduce of that flag before the forward pass (it overlaps the step) and
-   reads it after the step, so every rank agrees to stop after the same step even when the
-   signal reached them a step apart. The stop is therefore at the next step boundary.
+   1-element MAX all-reduce of that flag before the forward pass (it overlaps the step), and
+   each step reads the flag its predecessor started, so every rank agrees to stop after the same
+   step even when the signal reached them a step apart. On CUDA the flag reaches the host by a
+   copy into pinned memory on a side stream that waits for that all-reduce alone, so the read
+   never waits for a training step's kernels (the step has no host sync). The stop is therefore
+   one or two step boundaries after the signal; a single process stops at the next one.
 6. Fault injection (a documented debugging knob, not a mock): the environment variable
    LARGEBATCH_FAULTS, e.g. ``nan@1:3,hang@1:5,kill@0:7``, makes rank R at step S poison its
    loss with NaN (``nan``), sleep ``hang_s`` seconds before checking in (``hang``), SIGKILL
@@ -258,8 +261,10 @@ class StopAgreement:
         self.distributed = distributed
         self.device = device
         self.signum: int | None = None
-        self._flag = torch.zeros(1, device=device)
-        self._work = None
+        self._asked = False                       # a single process: the flag when the step began
+        self._pending: list[tuple] = []           # (flag on the host, wait) of started all-reduces, oldest first
+        cuda = distributed and device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if cuda else None
 
     def install(self) -> None:
         def handler(signum, frame):
@@ -270,17 +275,34 @@ class StopAgreement:
 
     def start(self) -> None:
         """Launch the flag all-reduce (before the forward pass, so it overlaps the step)."""
-        self._flag.fill_(1.0 if self.signum else 0.0)
-        if self.distributed:
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        self._asked = self.signum is not None
+        if not self.distributed:
+            return
+        flag = torch.full((1,), 1.0 if self._asked else 0.0, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self._side is None:   # gloo: the flag is host memory once the work is done
+            self._pending.append((flag, work.wait))
+            return
+        host = torch.empty((1,), pin_memory=True)
+        with torch.cuda.stream(self._side):   # waits for the flag's all-reduce only, not for the step's kernels
+            work.wait()
+            host.copy_(flag, non_blocking=True)
+            flag.record_stream(self._side)
+            done = torch.cuda.Event()
+            done.record()
+        self._pending.append((host, done.synchronize))
 
     def agreed(self) -> bool:
-        """Whether any rank asked to stop before this step began. On CUDA this reads one scalar right
-        after the step's own finiteness sync, when the stream is already drained (a cheap host sync)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return bool(self._flag.item())
+        """Whether every rank agrees to stop after this step: a single process, whether it was asked before the
+        step began; a distributed run, whether any rank was asked before the previous step began (the flag
+        that step started, read now, the same on every rank)."""
+        if not self.distributed:
+            return self._asked
+        if len(self._pending) < 2:
+            return False
+        host, wait = self._pending.pop(0)
+        wait()
+        return bool(host.item())   # host memory: no device sync
 
     @staticmethod
     def announce(step: int, recipe: str, world_size: int, run_dir: Path) -> None:

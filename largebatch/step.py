@@ -8,9 +8,12 @@ touches tensors.
 3. On a logging step with `train.noise_scale`, the last micro-batch also skips DDP's all-reduce and
    `noise_scale.allreduce_with_norms` averages the gradients itself, measuring both norms on the way.
 4. Unscale (LARS and every norm see fp32 gradients), then one finiteness verdict on the all-reduced
-   gradients: the one host sync of a step. Every rank reaches the same verdict with no communication.
-5. Step the optimizer (GradScaler steps and lowers its scale itself), update the EMA model; count a
-   non-finite step, and stop the run with a UserError after `train.max_nonfinite` in a row.
+   gradients, kept on the device: `found_inf`. Every rank reaches the same verdict with no communication.
+5. Step the optimizer with that verdict (largebatch.optim.skip: a non-finite step changes nothing), lower
+   the fp16 loss scale on it (GradScaler.update), update the EMA model unless skipped, and count the
+   skipped steps, all on the device. The step makes no host sync: `check()`, on logging steps, reads the
+   counts and stops the run with a UserError when more than `train.max_nonfinite` steps in a row were
+   skipped, naming the step where that happened.
 """
 from __future__ import annotations
 
@@ -23,7 +26,12 @@ import torch.nn.functional as F
 
 from largebatch.errors import UserError
 from largebatch.layout import autocast, resize_batch, to_model_layout
+from largebatch.optim import update_ema
 from largebatch.progress import Progress
+
+# The device counters of step 5, one int64 vector: skipped steps since the last check, the current run of
+# consecutive skipped steps, the step at which that run first exceeded max_nonfinite (-1: never), the step.
+TOTAL, RUN, DIVERGED_AT, STEP = range(4)
 
 
 class TrainStep:
@@ -38,7 +46,7 @@ class TrainStep:
         self.device, self.world_size, self.distributed = device, world_size, world_size > 1
         self.precision, self.channels_last, self.label_smoothing = precision, channels_last, label_smoothing
         self.log_every, self.max_nonfinite, self.progress = log_every, max_nonfinite, progress
-        self.nonfinite_run = 0     # consecutive non-finite steps
+        self.counters: torch.Tensor | None = None   # step 5's counters, made at the first step
         self.noise_rec: dict = {}  # the last measurement of the noise scale, for the next log record
 
     def to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
@@ -50,8 +58,7 @@ class TrainStep:
     def __call__(self, step: int, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float,
                  size: int | None = None) -> torch.Tensor:
         """Steps 1-5 for optimizer step `step`; the sum of the micro-batches' losses (on the device)."""
-        for group in self.optimizer.param_groups:                                        # 1
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)                                                       # 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         measure = self.noise is not None and (step + 1) % self.log_every == 0            # 3
@@ -77,25 +84,59 @@ class TrainStep:
                 scale=self.scaler.get_scale() if self.scaler.is_enabled() else 1.0)
             self.noise_rec = self.noise.update(small_sq, big_sq, phase.per_worker_batch, phase.global_batch)
         self.scaler.unscale_(self.optimizer)                                             # 4
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        # a non-finite loss on any rank makes the reduced gradients non-finite too; the local loss is not
-        # part of the verdict, as ranks could disagree on it
-        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
-        ok = bool(torch.isfinite(torch.stack(norms).sum()).item())
-        if self.scaler.is_enabled():                                                     # 5
-            self.scaler.step(self.optimizer)   # skips the step itself on inf/nan
-            self.scaler.update()               # and lowers the loss scale
-        elif ok:
-            self.optimizer.step()
-        if ok:
-            self.nonfinite_run = 0
-            if self.ema is not None:
-                self.ema.update_parameters(self.model)
-        else:
-            self.progress.nonfinite_total += 1
-            self.nonfinite_run += 1
-            if self.nonfinite_run > self.max_nonfinite:
-                raise UserError(f"training diverged: {self.nonfinite_run} consecutive steps with non-finite loss or "
-                                f"gradients at step {step}; lower optim.lr, lengthen schedule.warmup_epochs "
-                                "or use optim.name=lars.")
+        found_inf = self.verdict()
+        self.apply(found_inf, step)                                                      # 5
         return loss_sum
+
+    def verdict(self) -> torch.Tensor:
+        """Step 4: 1.0 on the device when any all-reduced gradient is non-finite, else 0.0 (float32). A
+        non-finite loss on any rank makes the reduced gradients non-finite too; the local loss is not part of
+        the verdict, as ranks could disagree on it."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
+        return (~torch.isfinite(torch.stack(norms).sum())).float()
+
+    def apply(self, found_inf: torch.Tensor, step: int) -> None:
+        """Step 5 on the device: the optimizer step, skipped where `found_inf` is set; the loss scale; the EMA;
+        the counters."""
+        self.optimizer.found_inf = found_inf   # type: ignore[attr-defined]  # read by LARS, LAMB, fused SGD
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf   # type: ignore[attr-defined]
+        if self.scaler.is_enabled():
+            self.scaler.update()   # lowers the scale on the inf checks unscale_ recorded (the same gradients)
+        ok = (found_inf == 0).to(torch.float64)
+        if self.ema is not None:
+            update_ema(self.ema, self.model, ok)
+        if self.counters is None:
+            self.counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+            self.counters[DIVERGED_AT].fill_(-1)
+            self.counters[STEP].fill_(step)
+        c, bad = self.counters, found_inf.to(torch.int64)
+        run = (c[RUN] + 1) * bad
+        crossed = (run > self.max_nonfinite) & (c[DIVERGED_AT] < 0)
+        c.copy_(torch.stack([c[TOTAL] + bad, run, torch.where(crossed, c[STEP], c[DIVERGED_AT]), c[STEP] + 1]))
+
+    def check(self) -> None:
+        """Read step 5's counters (a host sync: logging steps, checkpoints, the end): the skipped steps go into
+        `progress.nonfinite_total`; a run of more than `max_nonfinite` skipped steps stops training."""
+        if self.counters is None:
+            return
+        total, _, diverged_at, _ = self.counters.tolist()   # the host sync
+        self.counters[TOTAL].zero_()
+        self.progress.nonfinite_total += total
+        if diverged_at >= 0:
+            raise UserError(f"training diverged: {self.max_nonfinite + 1} consecutive steps with non-finite loss or "
+                            f"gradients at step {diverged_at}; lower optim.lr, lengthen schedule.warmup_epochs "
+                            "or use optim.name=lars.")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr: a float assigned, or a 0-dim device tensor (a CUDA graph's static lr) filled in place,
+    which is a kernel launch and no host sync."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr

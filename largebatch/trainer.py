@@ -8,8 +8,8 @@ The loop is `while step < total: train_step(); log(); maybe_evaluate(); maybe_ch
 `batches.BatchSource` yields each step's micro-batches (it owns the epoch, phase and collapse
 boundaries), `step.TrainStep` takes the optimizer step (micro-batches, gradient accumulation,
 precision, the finiteness verdict), the plan gives the step's lr (scaling rule, warm-up, decay,
-batch phase). Host syncs happen once per step for the non-finite check (one scalar) and on
-logging steps only otherwise.
+batch phase). The step makes no host sync: the non-finite verdict and its counters stay on the device
+and are read on logging steps, checkpoints and at the end (`TrainStep.check`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.errors import UserError
-from largebatch.layout import use_channels_last
+from largebatch.layout import prefetch, use_channels_last
 from largebatch.models.classifier import build_classifier
 from largebatch.noise_scale import NoiseScale
 from largebatch.progress import LogWindow, Progress
@@ -146,6 +146,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if self.saved_step == self.step:   # already written (e.g. a stop at an epoch end)
             return
+        self.train_step.check()   # the skipped-step count goes into the checkpoint's progress
         with self._guard("checkpoint (BN sync + barrier)"):
             self._sync_buffers()   # every rank must hold the same BN statistics when they are written
             if self.main:
@@ -199,7 +200,8 @@ class Trainer:
         stopped = False
         self.model.train()
         try:
-            for phase, micros, wait in self.batches.steps(self.step, self.total_steps):
+            steps = prefetch(self.batches.steps(self.step, self.total_steps), self.device, self.channels_last)
+            for phase, micros, wait in steps:   # on CUDA, the next step's batches are copied on a side stream
                 t0 = time.perf_counter()
                 self.window.data_wait += wait
                 lr = self.plan.lr(self.step)
@@ -246,7 +248,8 @@ class Trainer:
         return stop_now
 
     def _log_train(self, phase, lr: float) -> None:
-        """A logging step: the only host syncs besides the per-step finiteness flag."""
+        """A logging step: the host syncs of training (the skipped-step counters, the window's loss)."""
+        self.train_step.check()
         window = self.window.close(self.step, self.progress.images_seen, self.info.world_size)
         rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
                "loss": window.pop("loss"), "lr": lr, "global_batch": phase.global_batch, **window,
@@ -305,6 +308,7 @@ class Trainer:
         return rec
 
     def _finish(self) -> dict:
+        self.train_step.check()
         last = self.last_eval or self._log_eval()
         # Collapsed Ensemble: only once a snapshot exists (a run stopped early by max_steps may have none).
         has_snapshot = any(s <= self.step for s in self.plan.snapshot_steps())

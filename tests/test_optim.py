@@ -190,7 +190,7 @@ def test_build_optimizer_groups_and_errors() -> None:
     assert isinstance(build_optimizer(OptimConfig(name="lars"), model, 0.1), LARS)
     assert isinstance(build_optimizer(OptimConfig(name="lamb"), model, 0.1), LAMB)
     sgd = build_optimizer(OptimConfig(name="sgd", nesterov=True), model, 0.1)
-    assert sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["foreach"]
+    assert sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["fused"]
     with pytest.raises(UserError):
         build_optimizer(OptimConfig(name="adamw"), model, 0.1)
     with pytest.raises(UserError):

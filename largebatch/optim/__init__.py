@@ -7,12 +7,14 @@ beta, every bias, including the BN of shortcut branches) go in a group with no w
 from __future__ import annotations
 
 from torch import nn
-from torch.optim import SGD, Optimizer
+from torch.optim import Optimizer
 
 from largebatch.config import OptimConfig
 from largebatch.errors import UserError
+from largebatch.optim.ema import build_ema, update_ema
 from largebatch.optim.lamb import LAMB
 from largebatch.optim.lars import LARS
+from largebatch.optim.sgd import SGD
 
 OPTIMIZERS = ("sgd", "lars", "lamb")
 
@@ -46,11 +48,8 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
     if cfg.name == "sgd":
         if cfg.nesterov and cfg.momentum == 0:
             raise UserError("optim.nesterov needs optim.momentum > 0; set a momentum (e.g. 0.9) or nesterov: false.")
-        # torch's SGD keeps v = m v + g and steps w -= lr v: lr sits outside v, so a change of lr applies to
-        # the whole velocity at once, which is exactly Goyal's momentum correction (v <- (lr_new/lr_old) v
-        # in the lr-inside form). Extra group keys ("lars_exclude") are ignored by SGD.
-        return SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                   foreach=True)
+        # torch's SGD, fused (largebatch/optim/sgd.py: the momentum correction is built in)
+        return SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
     if cfg.name == "lars":
         if cfg.nesterov and cfg.momentum == 0:
             raise UserError("optim.nesterov needs optim.momentum > 0; set a momentum (e.g. 0.9) or nesterov: false.")
@@ -69,14 +68,4 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
     raise UserError(f"unknown optimizer {cfg.name!r}; choose one of: {', '.join(OPTIMIZERS)} (optim.name).")
 
 
-
-def build_ema(model: nn.Module, decay: float | None):
-    """The exponential moving average of `model`'s weights and buffers (None without a decay)."""
-    if not decay:
-        return None
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
-
-
-__all__ = ["LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer", "build_ema"]
+__all__ = ["SGD", "LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer", "build_ema", "update_ema"]

@@ -14,15 +14,21 @@ lr gamma, moment coefficients beta1, beta2, weight decay lambda and epsilon, one
 
 Parameter groups with "lars_exclude": True (BN parameters and biases) get the Adam update:
 steps 1-3 without weight decay (u = r) and no trust ratio (w = w - gamma * r).
+
+The step never reads a tensor value on the host, so a CUDA graph can hold it: t is a float64 0-dim
+tensor per parameter on its device (the bias corrections are computed there in float64, as the Python
+floats they replace), the lr a group's float or 0-dim device tensor, and a step is skipped on the device
+when `found_inf` says so (largebatch.optim.skip): moments, t and weights stay as they were.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from largebatch.optim.skip import device_scalar, ok_flag, zero_bad_grads_
 
 
 class LAMB(Optimizer):
@@ -43,6 +49,15 @@ class LAMB(Optimizer):
                         bias_correction=bias_correction, lars_exclude=False)
         super().__init__(params, defaults)
 
+    _step_supports_amp_scaling = True   # GradScaler hands its found_inf over instead of reading it on the host
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's; a checkpoint that kept t as a Python int (older largebatch) gets it as a tensor."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "step" in state and not isinstance(state["step"], Tensor):
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float64, device=p.device)
+
     @torch.no_grad()   # ignore: torch types the closure as returning a float; ours returns the loss tensor
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
         loss = None
@@ -51,7 +66,7 @@ class LAMB(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            params, grads, ms, vs, bc1, bc2 = [], [], [], [], [], []
+            params, grads, ms, vs, ts = [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -59,47 +74,67 @@ class LAMB(Optimizer):
                     raise RuntimeError("LAMB does not support sparse gradients")
                 state = self.state[p]
                 if "step" not in state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float64, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1  # a Python int: the bias corrections need no host sync
-                t = state["step"]
                 params.append(p)
                 grads.append(p.grad)
                 ms.append(state["exp_avg"])
                 vs.append(state["exp_avg_sq"])
-                # 2. Bias corrections as Python floats: 1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t).
-                bc1.append(1.0 / (1.0 - beta1 ** t) if group["bias_correction"] else 1.0)
-                bc2.append(1.0 / math.sqrt(1.0 - beta2 ** t) if group["bias_correction"] else 1.0)
+                ts.append(state["step"])
             if not params:
                 continue
+            device = params[0].device
+            ok = ok_flag(self, device)
+            lr = device_scalar(group["lr"], device)
+            if ok is None:
+                torch._foreach_add_(ts, 1.0)
+            else:
+                zero_bad_grads_(grads, ok)
+                torch._foreach_add_(ts, [ok] * len(ts))
+            # 2. Bias corrections 1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t) per tensor, in float64.
+            t = torch.stack(ts).clamp(min=1.0)   # t = 0 only at a first step skipped: its (unused) corrections finite
+            if group["bias_correction"]:
+                bc1, bc2 = 1.0 / (1.0 - torch.pow(beta1, t)), torch.rsqrt(1.0 - torch.pow(beta2, t))
+            else:
+                bc1 = bc2 = torch.ones_like(t)
+            bc1s, bc2s = bc1.unbind(0), bc2.unbind(0)
             buckets = self._group_tensors_by_device_and_dtype([params, grads, ms, vs], with_indices=True)
             for tensors, idx in buckets.values():   # typed as lists of optional tensors; these hold none
                 ps, gs, ms_, vs_ = (cast(list[Tensor], ts) for ts in tensors)
-                _lamb_update(ps, gs, ms_, vs_, [bc1[i] for i in idx], [bc2[i] for i in idx], lr=group["lr"],
-                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                             exclude=group["lars_exclude"])
+                _lamb_update(ps, gs, ms_, vs_, [bc1s[j] for j in idx], [bc2s[j] for j in idx], ok=ok, lr=lr, beta1=beta1, beta2=beta2,
+                             eps=group["eps"], weight_decay=group["weight_decay"], exclude=group["lars_exclude"])
         return loss
 
 
-def _lamb_update(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], bc1: list[float],
-                 bc2: list[float], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+def _lamb_update(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], bc1: list[Tensor],
+                 bc2: list[Tensor], *,
+                 ok: Optional[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
                  exclude: bool) -> None:
-    """Steps 1-5 for tensors of one device and dtype; one temporary list (u)."""
-    # 1. Moments.
-    torch._foreach_lerp_(ms, gs, 1.0 - beta1)
-    torch._foreach_mul_(vs, beta2)
+    """Steps 1-5 for tensors of one device and dtype; one temporary list (u). On a skipped step (ok 0,
+    gradients cleared) the moments are kept by coefficients 1 and 0 and the weights by a zero lr."""
+    dtype, n = ps[0].dtype, len(ps)
+    # 1. Moments: m = m + (1 - beta1) (g - m), v = beta2 v + (1 - beta2) g^2; kept when skipped (the
+    # cleared gradient adds nothing to v).
+    if ok is None:
+        torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+        torch._foreach_mul_(vs, beta2)
+    else:
+        torch._foreach_lerp_(ms, gs, [(ok * (1.0 - beta1)).to(dtype)] * n)
+        torch._foreach_mul_(vs, torch.where(ok > 0, torch.full_like(ok, beta2), torch.ones_like(ok)).to(dtype))
+        lr = lr * ok
     torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
     # 2.-3. u = (m * bc1) / (sqrt(v) * bc2 + eps) + lambda * w, built in place in one new list.
     u = torch._foreach_sqrt(vs)
-    torch._foreach_mul_(u, bc2)
+    torch._foreach_mul_(u, [b.to(dtype) for b in bc2])
     torch._foreach_add_(u, eps)
     torch._foreach_reciprocal_(u)
     torch._foreach_mul_(u, ms)
-    torch._foreach_mul_(u, bc1)
+    torch._foreach_mul_(u, [b.to(dtype) for b in bc1])
+    lr_ = lr.to(dtype)
     if exclude:
         # Adam update: no weight decay, no trust ratio.
-        torch._foreach_add_(ps, u, alpha=-lr)
+        torch._foreach_addcmul_(ps, u, [-lr_] * n)
         return
     if weight_decay != 0:
         torch._foreach_add_(u, ps, alpha=weight_decay)
@@ -108,4 +143,4 @@ def _lamb_update(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[
     u_norm = torch.stack(torch._foreach_norm(u))
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
     # 5. w = w - gamma * ratio * u.
-    torch._foreach_addcmul_(ps, u, list((-lr * ratio).unbind(0)))
+    torch._foreach_addcmul_(ps, u, list((-lr_ * ratio).unbind(0)))
