@@ -68,16 +68,16 @@ def _shown(path: Path, real: Path) -> str:
     return f"{path}" if Path(os.path.abspath(path)) == real else f"{path} (which leads to {real})"
 
 
-def _refuse_system(path: Path) -> None:
-    """Step 7: a system directory or the home directory, by its real path."""
+def refuse_system(path: Path, flag: str = "--run-dir") -> None:
+    """Step 7: a system directory or the home directory, by its real path (also a study's --out)."""
     real = Path(os.path.realpath(path))
     home = Path(os.path.realpath(Path.home()))
     trees = [Path(t) for t in SYSTEM_TREES]
     if real == home:
-        raise UserError(f"--run-dir {_shown(path, real)} is your home directory; give a directory of the run's "
-                        "own, e.g. runs/NAME.")
+        raise UserError(f"{flag} {_shown(path, real)} is your home directory; give a directory of its own, "
+                        "e.g. runs/NAME.")
     if real in (*map(Path, SYSTEM_DIRS), *trees) or any(t in real.parents for t in trees):
-        raise UserError(f"--run-dir {_shown(path, real)} is a system directory; give a directory of the run's own, "
+        raise UserError(f"{flag} {_shown(path, real)} is a system directory; give a directory of its own, "
                         "e.g. runs/NAME.")
 
 
@@ -113,7 +113,7 @@ def foreign_entries(path: Path) -> list[str]:
 
 
 def _refuse_reasons(path: Path, resume: bool) -> None:
-    _refuse_system(path)
+    refuse_system(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"--run-dir {path} is a file, not a directory; give a directory path for the run.")
     if not path.is_dir():

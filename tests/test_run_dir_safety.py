@@ -54,7 +54,7 @@ def _foreign_checkpoint(directory: Path, step: int) -> None:
                                   "/proc/self"])
 def test_system_directories_are_refused_without_writing(path):
     before = sorted(os.listdir(path)) if Path(path).is_dir() and path != "/proc/self" else None
-    with pytest.raises(UserError, match="is a system directory; give a directory of the run's own"):
+    with pytest.raises(UserError, match="is a system directory; give a directory of its own"):
         rundir.check(Path(path), resume=False)
     with pytest.raises(UserError, match="is a system directory"):
         rundir.check(Path(path), resume=True)
@@ -78,6 +78,17 @@ def test_a_link_to_a_system_directory_and_the_home_directory_are_refused(tmp_pat
         rundir.claim(home, resume=False)    # even empty
     assert list(home.iterdir()) == []
     rundir.claim(home / "runs" / "a", resume=False).release()   # a directory under it is fine
+
+
+def test_a_study_out_is_no_system_or_home_directory(cli, tmp_path):
+    """A study's --out (it creates run directories under it) is checked before any work, in a dry run too."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for command in (["study", "batch-scaling"], ["study", "batch-control"]):
+        for out, fragment in (("/", "--out / is a system directory"), ("/etc", "--out /etc is a system directory"),
+                              (home, "is your home directory")):
+            _user_error(cli(*command, "--out", out, "--dry-run", env={"HOME": str(home)}), fragment)
+    assert list(home.iterdir()) == []
 
 
 def test_a_directory_of_other_files_is_not_taken_over(cli, tmp_path):
