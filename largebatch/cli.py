@@ -118,15 +118,12 @@ def check_numbers(*checks: tuple[str, float, bool, str]) -> None:
 def check_output_path(flag: str, path: str | Path | None, directory: bool = False) -> None:
     """Before any work, in a dry run too: the file (or, with `directory`, the directory) `path` that a
     command writes can be made there, so a bad path neither costs the run nor is promised by a dry run.
-    Creates nothing: the nearest existing folder above it must be a writable directory. A directory is
-    never a system directory nor the home directory (`rundir.refuse_system`)."""
+    Creates nothing: the nearest existing folder above it must be a writable directory. (A command's own
+    directory must also be no system directory nor the home directory: `rundir.refuse_system`, which the
+    commands call, as this base layer imports no runtime module.)"""
     if not path:
         return
     path = Path(path)
-    if directory:
-        from largebatch.rundir import refuse_system
-
-        refuse_system(path, flag)
     if not directory and path.is_dir():
         raise UserError(f"{flag} {path} is a directory; give a file path.")
     folder = path if directory else path.parent

@@ -205,6 +205,9 @@ class TrainConfig(Section):
     precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA)")
     channels_last: str = _choices("auto", "on", "off", doc="NHWC memory format (auto: on for CUDA and bf16 CPU)")
     compile: bool = _doc(False, "torch.compile the model")
+    cuda_graph: str = _choices("auto", "on", "off",
+                               doc="replay each training step as one CUDA graph (auto: on one CUDA process without "
+                                   "train.noise_scale, else eager with one line saying why; largebatch/graph.py)")
     threads: Optional[int] = _doc(None, "intra-op threads per worker (default cores / local workers)")
     label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy")
     log_every: int = _doc(50, "steps between metric lines (the only steps with host syncs)")

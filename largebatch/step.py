@@ -18,7 +18,7 @@ touches tensors.
 from __future__ import annotations
 
 import contextlib
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,9 @@ from largebatch.errors import UserError
 from largebatch.layout import autocast, resize_batch, to_model_layout
 from largebatch.optim import update_ema
 from largebatch.progress import Progress
+
+if TYPE_CHECKING:
+    from largebatch.graph import GraphedStep
 
 # The device counters of step 5, one int64 vector: skipped steps since the last check, the current run of
 # consecutive skipped steps, the step at which that run first exceeded max_nonfinite (-1: never), the step.
@@ -48,6 +51,7 @@ class TrainStep:
         self.log_every, self.max_nonfinite, self.progress = log_every, max_nonfinite, progress
         self.counters: torch.Tensor | None = None   # step 5's counters, made at the first step
         self.noise_rec: dict = {}  # the last measurement of the noise scale, for the next log record
+        self.graph: GraphedStep | None = None   # the CUDA graph of steps 2-5 (largebatch/graph.py), set by the trainer
 
     def to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
         x = to_model_layout(x, self.device, self.channels_last)
@@ -57,11 +61,22 @@ class TrainStep:
 
     def __call__(self, step: int, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, lr: float,
                  size: int | None = None) -> torch.Tensor:
-        """Steps 1-5 for optimizer step `step`; the sum of the micro-batches' losses (on the device)."""
-        set_lr(self.optimizer, lr)                                                       # 1
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
+        """Steps 1-5 for optimizer step `step`; the sum of the micro-batches' losses (on the device). With a
+        CUDA graph (`self.graph`, largebatch/graph.py) steps 2, 4 and 5 are replayed, except on the noise
+        scale's measuring steps."""
         measure = self.noise is not None and (step + 1) % self.log_every == 0            # 3
+        set_lr(self.optimizer, lr, static=self.graph is not None)                        # 1
+        if self.graph is not None and not measure:
+            return self.graph(step, micros, phase, size)
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.body(step, micros, phase, size, self.faults.poison(step), measure)
+
+    def body(self, step: int, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, size: int | None,
+             poison: bool | torch.Tensor, measure: bool = False) -> torch.Tensor:
+        """Steps 2-5 (what a CUDA graph holds): the micro-batches' forward and backward, the verdict, the update.
+        `poison` (the LARGEBATCH_FAULTS debugging knob) multiplies the loss by NaN: a bool, or in a graph a
+        device scalar of 1 or NaN."""
+        loss_sum = torch.zeros((), device=self.device)
         ddp = cast(nn.parallel.DistributedDataParallel, self.ddp)   # the DDP module when distributed
         for i, (x, y) in enumerate(micros):                                              # 2
             x, y = self.to_device(x, y, size)
@@ -72,7 +87,9 @@ class TrainStep:
                     logits = self.forward(x)
                 loss = F.cross_entropy(logits.float(), y, reduction="sum",
                                        label_smoothing=self.label_smoothing) / phase.per_worker_batch
-                if self.faults.poison(step):   # LARGEBATCH_FAULTS=nan@RANK:STEP (debugging knob)
+                if isinstance(poison, torch.Tensor):
+                    loss = loss * poison
+                elif poison:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -132,11 +149,17 @@ class TrainStep:
                             "or use optim.name=lars.")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group's lr: a float assigned, or a 0-dim device tensor (a CUDA graph's static lr) filled in place,
-    which is a kernel launch and no host sync."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, static: bool = False) -> None:
+    """Every group's lr: a float, or with `static` a 0-dim tensor on the parameters' device (a CUDA graph's
+    static lr) filled in place, a kernel launch and no host sync; float64 where the optimizer reads it so
+    (`static_lr_dtype`: LARS, LAMB), else float32 (torch's fused kernels). A tensor lr that a checkpoint brought
+    back becomes a float again where `static` is off."""
+    dtype = getattr(optimizer, "static_lr_dtype", torch.float32)
     for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
+        current, device = group["lr"], group["params"][0].device
+        if not static:
             group["lr"] = lr
+        elif isinstance(current, torch.Tensor) and current.device == device and current.dtype == dtype:
+            current.fill_(lr)
+        else:
+            group["lr"] = torch.full((), lr, dtype=dtype, device=device)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, metrics as metrics_mod, reliability, rundir, scoring
+from largebatch import checkpoint, dist as dist_mod, ensemble, graph, metrics as metrics_mod, reliability, rundir, scoring
 from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
@@ -64,6 +64,7 @@ class Trainer:
         if t.precision == "fp16" and self.device.type != "cuda":
             raise UserError("train.precision fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU.")
         self.info = dist_mod.init(self.device, cfg.comm.timeout_s)
+        use_graph, why_not = graph.plan(t.cuda_graph, self.device, self.info.world_size, t.noise_scale)
         self.threads = dist_mod.set_threads(t.threads, self.info.local_world_size)
         self.main = self.info.is_main
         if t.deterministic:
@@ -117,7 +118,7 @@ class Trainer:
         self.base_weight_decay = [g["weight_decay"] for g in self.optimizer.param_groups]
         self.snapshot_steps = set(self.plan.snapshot_steps())
 
-        # 8. precision, the gradient noise scale (on logging steps), the step itself
+        # 8. precision, the gradient noise scale (on logging steps), the step itself and its CUDA graph
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
         self.noise = NoiseScale.for_run(self.info.distributed, self.main) if t.noise_scale else None
         self.progress = Progress()
@@ -126,6 +127,10 @@ class Trainer:
             noise=self.noise, faults=self.faults, device=self.device, world_size=self.info.world_size,
             precision=t.precision, channels_last=self.channels_last, label_smoothing=t.label_smoothing,
             log_every=t.log_every, max_nonfinite=t.max_nonfinite, progress=self.progress)
+        if use_graph:
+            self.train_step.graph = graph.GraphedStep(self.train_step, strict=t.cuda_graph == "on")
+        elif why_not and self.main:
+            print(f"largebatch: training without a CUDA graph: {why_not}.", file=sys.stderr, flush=True)
 
         # 9. state that checkpoints carry, restored on a resume
         self.state = checkpoint.RunState(

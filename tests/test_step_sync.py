@@ -213,3 +213,26 @@ def test_the_device_ema_equals_averaged_model_and_skips_with_the_step():
         theirs.update_parameters(model)
     for (k, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_where_a_cuda_graph_applies_and_the_sentences_where_it_does_not():
+    from largebatch import graph
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert graph.plan("auto", cpu, 1, False) == (False, None)   # nothing to say on CPU
+    assert graph.plan("off", cuda, 4, True) == (False, None)
+    assert graph.plan("auto", cuda, 1, False) == (True, None)
+    assert graph.plan("auto", cuda, 2, False) == (False, "capture across processes (DDP) is not supported yet")
+    assert graph.plan("auto", cuda, 1, True)[1].startswith("train.noise_scale")
+    for device, world, noise, why in ((cpu, 1, False, "need a CUDA device"), (cuda, 2, False, "DDP"),
+                                      (cuda, 1, True, "noise_scale")):
+        with pytest.raises(UserError, match=f"train.cuda_graph is on but .*{why}.*; set train.cuda_graph to auto or off."):
+            graph.plan("on", device, world, noise)
+
+
+def test_cuda_graph_on_without_cuda_is_one_sentence_and_exit_2(tmp_path, cli):
+    proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "train.cuda_graph=on",
+               "--set", "data.dataset=synthetic", "--set", "train.max_steps=1", "--set", "train.device=cpu")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train.cuda_graph is on but CUDA graphs need a CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr

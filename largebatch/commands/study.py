@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from largebatch import rundir
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.rundir import refuse_system
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 
@@ -601,6 +602,8 @@ def main(argv: list[str]) -> int:
 
     console = Console(stderr=True)
     check_output_path("--out", args.out, directory=True)
+    if args.out:
+        refuse_system(Path(args.out), "--out")   # no system directory, nor the home directory
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from largebatch.commands import study
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
+from largebatch.rundir import refuse_system
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 
@@ -275,6 +276,8 @@ def run(kind: str, argv: list[str]) -> int:
 
     console = Console(stderr=True)
     check_output_path("--out", args.out, directory=True)
+    if args.out:
+        refuse_system(Path(args.out), "--out")   # no system directory, nor the home directory
     if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
         args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}

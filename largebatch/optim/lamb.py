@@ -50,6 +50,7 @@ class LAMB(Optimizer):
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True   # GradScaler hands its found_inf over instead of reading it on the host
+    static_lr_dtype = torch.float64     # a CUDA graph's lr tensor (step.set_lr): the precision of a Python float
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's; a checkpoint that kept t as a Python int (older largebatch) gets it as a tensor."""

@@ -40,6 +40,7 @@ class LARS(Optimizer):
     """LARS (Algorithm 1 of You et al.) with momentum correction; see the module docstring."""
 
     _step_supports_amp_scaling = True   # GradScaler hands its found_inf over instead of reading it on the host
+    static_lr_dtype = torch.float64     # a CUDA graph's lr tensor (step.set_lr): the precision of a Python float
 
     def __init__(self, params: Union[Iterable[Tensor], Iterable[dict]], lr: float, momentum: float = 0.9,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 0.0,
