@@ -81,6 +81,9 @@ class DataConfig(Section):
     min_scale: float = _doc(0.08, "smallest area fraction of random-resized-crop (ImageFolder)")
     loader_workers: int = _doc(2, "decoding processes per rank for JPEG sources (0 = in the training process)")
     on_corrupt: str = _choices("skip", "fail", doc="a corrupt or truncated JPEG is skipped and listed, or fails the run")
+    decode: str = _choices("auto", "cpu", "gpu", doc="where JPEGs are decoded and cropped (auto: gpu for imagefolder "
+                                                     "with CUDA and torchvision, else cpu; largebatch/data/gpu_jpeg.py)")
+    gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off)")
     num_classes: int = _doc(10, "classes of the synthetic source")
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
     train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
@@ -98,6 +101,11 @@ class DataConfig(Section):
             raise UserError(f"data.min_scale is {self.min_scale}; it must be in (0, 1].")
         if self.num_classes < 2:
             raise UserError(f"data.num_classes is {self.num_classes}; a classifier needs 2 or more classes.")
+        if not 0 <= self.gpu_cache_gb <= 4096:
+            raise UserError(f"data.gpu_cache_gb is {self.gpu_cache_gb}; give 0 (off) to 4096 GiB.")
+        if self.decode == "gpu" and self.dataset != "imagefolder":
+            raise UserError(f"data.decode gpu decodes JPEG folders (data.dataset imagefolder), not {self.dataset}; "
+                            "set data.decode to cpu or auto.")
         if self.num_classes > MAX_CLASSES:
             raise UserError(f"data.num_classes is {self.num_classes}; give at most {MAX_CLASSES:,} classes "
                             "(the classifier head is num_classes x features weights).")
@@ -619,4 +627,8 @@ def validate(cfg: Config) -> None:
 
 
 def save(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """config.yaml of a run: whole or absent (a full disk leaves no empty file), never written through a symbolic
+    link (`checkpoint.atomic_write`: O_NOFOLLOW)."""
+    from largebatch.checkpoint import atomic_write
+
+    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())

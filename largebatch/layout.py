@@ -68,8 +68,8 @@ def cpu_channels_last_hazard(model: torch.nn.Module) -> str | None:
 def prefetch(steps, device: torch.device, channels_last: bool):
     """The training loop's steps `(phase, micro-batches, wait)` with the micro-batches already on `device` in
     the model's layout. On CUDA each step's host-to-device copies run on a side stream one step ahead: when
-    step k is handed out, step k + 1's batches are fetched and their copy is queued behind nothing but the
-    previous copies, so it overlaps step k's kernels; the compute stream waits for step k's copy alone (an
+    step k is handed out, step k + 1's batches are fetched (a GPU decoder's kernels included) and their copy is
+    queued on the side stream behind nothing but the previous copies, so it overlaps step k's kernels; the compute stream waits for step k's copy alone (an
     event), and the tensors are recorded on it so the allocator keeps them until the step has used them. The
     batches should be pinned (the loaders pin them on CUDA) for the copy to be asynchronous. Elsewhere a
     pass-through: the step moves its batches itself."""
@@ -87,10 +87,15 @@ def prefetch(steps, device: torch.device, channels_last: bool):
         return phase, moved, wait, ready
 
     it = iter(steps)
-    pending = next(it, None)
+
+    def fetch():   # a loader that decodes on the GPU (data.decode gpu) queues its kernels on the side stream too
+        with torch.cuda.stream(side):
+            return next(it, None)
+
+    pending = fetch()
     ahead = issue(pending) if pending is not None else None
     while ahead is not None:
-        following = next(it, None)
+        following = fetch()
         current, ahead = ahead, issue(following) if following is not None else None
         phase, moved, wait, ready = current
         compute = torch.cuda.current_stream(device)

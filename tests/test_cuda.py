@@ -284,3 +284,60 @@ def test_prefetch_hands_out_the_sources_batches_on_the_device():
         x, y = have[0]
         assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(x.cpu(), want[0][0]) and torch.equal(y.cpu(), want[0][1])
+
+
+# ------------------------------------------------------------------------------ JPEG decoding on the GPU
+def _photo_tree(root, per_class=12):
+    """Photo-like JPEGs (gradients and noise) of ImageNet-like sizes in 2 classes, train and val."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in range(2):
+            for i in range(per_class):
+                w, h = int(rng.integers(200, 500)), int(rng.integers(200, 500))
+                yy, xx = np.mgrid[0:h, 0:w]
+                arr = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy + 100 * c) % 256], -1)
+                arr = np.clip(arr + rng.integers(-15, 15, arr.shape), 0, 255).astype(np.uint8)
+                path = root / split / f"c{c}" / f"{i}.jpg"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(arr).save(path, "JPEG", quality=90)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_gpu_decode_equals_cpu_decode_within_the_idct_tolerance(tmp_path, train):
+    """nvJPEG at full size then the GPU's float resize, against libjpeg-turbo's DCT-scaled decode and uint8
+    resize: the same crops (same boxes and flips), pixels within a few levels on average."""
+    from largebatch.data import build_data
+    from largebatch.config import DataConfig
+
+    _photo_tree(tmp_path)
+    cfg = dict(dataset="imagefolder", root=str(tmp_path), image_size=64, loader_workers=2)
+    cpu_train, cpu_val, _ = build_data(DataConfig(**cfg, decode="cpu"), seed=3)
+    gpu_train, gpu_val, _ = build_data(DataConfig(**cfg, decode="gpu"), seed=3)
+    cpu_src, gpu_src = (cpu_train, gpu_train) if train else (cpu_val, gpu_val)
+    idx = [torch.arange(len(cpu_src))]
+    xc, yc = next(iter(cpu_src.batches(idx, train=train, epoch=1)))
+    xg, yg = next(iter(gpu_src.batches(idx, train=train, epoch=1)))
+    assert xg.is_cuda and xg.dtype == torch.uint8 and xg.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(yc, yg.cpu())
+    diff = (xc.float() - xg.cpu().float()).abs()
+    assert diff.mean() < 4.0 and diff.flatten(1).mean(1).max() < 8.0, (float(diff.mean()), float(diff.max()))
+    for s in (cpu_train, cpu_val, gpu_train, gpu_val):
+        s.close()
+
+
+def test_the_gpu_cache_returns_the_same_bytes_on_the_device(tmp_path):
+    from largebatch.data import build_data
+    from largebatch.config import DataConfig
+
+    _photo_tree(tmp_path, per_class=6)
+    cfg = dict(dataset="imagefolder", root=str(tmp_path), image_size=64, loader_workers=0, decode="gpu")
+    plain, _, _ = build_data(DataConfig(**cfg), seed=3)
+    cached, _, _ = build_data(DataConfig(**cfg, gpu_cache_gb=1.0), seed=3)
+    idx = [torch.arange(len(plain))]
+    for epoch in range(3):
+        a, _ = next(iter(plain.batches(idx, train=True, epoch=epoch)))
+        b, _ = next(iter(cached.batches(idx, train=True, epoch=epoch)))
+        assert torch.equal(a, b), epoch
+    cache = cached.finisher.cache
+    assert cache.hits == 2 * len(plain) and len(cache.images) == len(plain)
+    assert all(t.is_cuda for t in cache.images.values())

@@ -16,6 +16,8 @@
 4. Batches are ``(x, y)`` with ``x`` logically N x 3 x S x S uint8 and stored
    channels-last (NHWC), which is what a channels-last model wants and saves a
    transpose per image.
+5. With ``data.decode`` gpu the workers only read and plan, and the training process
+   decodes and crops on the GPU (largebatch/data/gpu_jpeg.py); x is then on the GPU.
 """
 from __future__ import annotations
 
@@ -115,8 +117,11 @@ class _Feed:
 
 class ImageFolderSource:
     def __init__(self, paths: np.ndarray, labels: torch.Tensor, *, size: int, min_scale: float, seed: int,
-                 augment: bool, workers: int, on_corrupt: str) -> None:
-        self.decoder = BatchDecoder(paths, labels, size, min_scale, seed)
+                 augment: bool, workers: int, on_corrupt: str, gpu: bool = False, gpu_cache_gb: float = 0.0) -> None:
+        from largebatch.data import gpu_jpeg
+
+        self.decoder: Dataset = (gpu_jpeg.PlanDecoder if gpu else BatchDecoder)(paths, labels, size, min_scale, seed)
+        self.finisher = gpu_jpeg.GpuFinisher(size, gpu_cache_gb) if gpu else None
         self.labels = labels
         self.augment = augment
         self.workers = workers
@@ -126,7 +131,7 @@ class ImageFolderSource:
         self._loader: DataLoader | None = None
 
     def __len__(self) -> int:
-        return len(self.decoder)
+        return len(self.labels)
 
     def _get_loader(self) -> DataLoader:
         if self._loader is None:
@@ -141,7 +146,9 @@ class ImageFolderSource:
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         augment = bool(train and self.augment)
         self._feed.items = ((epoch, augment, torch.as_tensor(b, dtype=torch.int64)) for b in index_batches)
-        for x, y, corrupt in self._get_loader():
+        items = self._get_loader()
+        finished = map(self.finisher, items) if self.finisher is not None else items
+        for x, y, corrupt in finished:
             if corrupt:
                 self.corrupt += corrupt
                 if self.on_corrupt == "fail":
@@ -168,8 +175,10 @@ def build_imagefolder(cfg, seed: int):
         raise UserError(f"ImageFolder root {root} does not exist; set data.root to a directory with train/ and val/.")
     classes, train_paths, train_labels = scan(root, "train")
     _, val_paths, val_labels = scan(root, "val", classes)
+    from largebatch.data.gpu_jpeg import check_decode
+
     common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
-                  on_corrupt=cfg.on_corrupt)
+                  on_corrupt=cfg.on_corrupt, gpu=check_decode(cfg.decode, cfg.dataset), gpu_cache_gb=cfg.gpu_cache_gb)
     train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, **common)
     test = ImageFolderSource(val_paths, val_labels, augment=False, **common)
     info = DatasetInfo(len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),

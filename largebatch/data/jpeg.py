@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import simplejpeg
@@ -117,37 +118,64 @@ def _decode_pillow(data: bytes, min_w: int, min_h: int) -> np.ndarray:
         return np.array(img.convert("RGB"))
 
 
-def decode_crop(data: bytes, size: int, *, train: bool, min_scale: float, seed: int, epoch: int,
-                index: int, out: torch.Tensor) -> None:
-    """Steps 1-5 for one image: write the S x S x 3 uint8 result into `out` (HWC)."""
+@dataclass(frozen=True)
+class CropPlan:
+    """Steps 1-3 for one image: its size and colour space, the crop box, the DCT factor, the flip."""
+    h: int
+    w: int
+    colorspace: str
+    box: Box
+    k: int
+    flip: bool
+
+
+def plan_crop(data: bytes, size: int, *, train: bool, min_scale: float, seed: int, epoch: int, index: int
+              ) -> CropPlan:
+    """Steps 1-3: read the header, draw the box and the flip bit, choose the DCT factor. The GPU decoder
+    (largebatch/data/gpu_jpeg.py) plans with this same function, so both paths crop alike."""
     try:
-        # Step 1: header.
         try:
             h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError:
             with Image.open(io.BytesIO(data)) as img:  # not a JPEG: let Pillow try
                 w, h = img.size
             colorspace = "CMYK"  # route through Pillow
-        # Step 2: box.
-        box = rrc_box(h, w, min_scale, seed, epoch, index) if train else eval_box(h, w, size)
-        # Steps 3-4: decode at reduced scale.
-        k = dct_factor(h, w, box, size)
-        pixels = _decode(data, h, w, colorspace, k)
+    except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as err:
+        raise CorruptImage(str(err)) from None
+    if h < 1 or w < 1:
+        raise CorruptImage(f"header gives a size of {w} x {h}")
+    box = rrc_box(h, w, min_scale, seed, epoch, index) if train else eval_box(h, w, size)
+    return CropPlan(h, w, colorspace, box, dct_factor(h, w, box, size), bool(train and flip_bit(seed, epoch, index)))
+
+
+def finish_crop(pixels: torch.Tensor, plan: CropPlan, size: int) -> torch.Tensor:
+    """Step 5 on HWC uint8 `pixels` (decoded at any scale, on any device): the S x S x 3 uint8 crop (an HWC
+    view). On CPU torch's uint8 antialiased bilinear kernel; elsewhere the same filter in float32, rounded."""
+    h, w = plan.h, plan.w
+    sy, sx = pixels.shape[0] / h, pixels.shape[1] / w
+    top, left, ch, cw = plan.box
+    y0, x0 = int(top * sy), int(left * sx)
+    y1 = max(y0 + 1, min(pixels.shape[0], int(round((top + ch) * sy))))
+    x1 = max(x0 + 1, min(pixels.shape[1], int(round((left + cw) * sx))))
+    crop = pixels[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)
+    if crop.device.type == "cpu":
+        crop = crop.contiguous(memory_format=torch.channels_last)
+        res = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    else:
+        res = F.interpolate(crop.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        res = res.round_().clamp_(0, 255).to(torch.uint8)
+    res = res[0].permute(1, 2, 0)  # HWC view
+    return res.flip(1) if plan.flip else res
+
+
+def decode_crop(data: bytes, size: int, *, train: bool, min_scale: float, seed: int, epoch: int,
+                index: int, out: torch.Tensor) -> None:
+    """Steps 1-5 for one image: write the S x S x 3 uint8 result into `out` (HWC)."""
+    plan = plan_crop(data, size, train=train, min_scale=min_scale, seed=seed, epoch=epoch, index=index)
+    try:
+        pixels = _decode(data, plan.h, plan.w, plan.colorspace, plan.k)   # step 4, at reduced scale
     except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as err:
         raise CorruptImage(str(err)) from None
     if pixels.ndim != 3 or pixels.shape[2] != 3:
         raise CorruptImage(f"decoded to shape {pixels.shape}")
-    # Map the box to decoded pixels.
-    sy, sx = pixels.shape[0] / h, pixels.shape[1] / w
-    top, left, ch, cw = box
-    y0, x0 = int(top * sy), int(left * sx)
-    y1 = max(y0 + 1, min(pixels.shape[0], int(round((top + ch) * sy))))
-    x1 = max(x0 + 1, min(pixels.shape[1], int(round((left + cw) * sx))))
-    # Step 5: resize on channels-last uint8, flip, write into the batch buffer.
-    crop = torch.from_numpy(pixels[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)
-    crop = crop.contiguous(memory_format=torch.channels_last)
-    res = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    res = res[0].permute(1, 2, 0)  # HWC view
-    if train and flip_bit(seed, epoch, index):
-        res = res.flip(1)
-    out.copy_(res)
+    out.copy_(finish_crop(torch.from_numpy(pixels), plan, size))
