@@ -2,8 +2,9 @@
 import json
 
 import pytest
+import torch
 
-from largebatch.commands.bench.train import fitting_size, matmul_peak_gflops, parse_config
+from largebatch.commands.bench.train import parse_reference, peer_config, fitting_size, matmul_peak_gflops, parse_config
 from largebatch.errors import UserError
 
 
@@ -28,11 +29,21 @@ def test_bench_train_tiny_run_writes_consistent_json(cli, tmp_path):
 
 
 def test_config_names_and_user_errors(cli):
-    assert parse_config("bf16-cl-compile") == {"precision": "bf16", "channels_last": True, "compile": True}
-    assert parse_config("fp32") == {"precision": "fp32", "channels_last": False, "compile": False}
+    assert parse_config("bf16-cl-compile") == {"precision": "bf16", "channels_last": True, "compile": True,
+                                               "graph": False}
+    assert parse_config("fp32") == {"precision": "fp32", "channels_last": False, "compile": False, "graph": False}
+    assert peer_config("fp16-cl-compile-graph") == "fp16-cl-compile" and peer_config("bf16-cl") == "bf16-cl"
     for bad in ("fp8", "fp32-nhwc", "fp32-cl-cl"):
         with pytest.raises(UserError):
             parse_config(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="graph needs a CUDA device"):
+            parse_config("bf16-cl-graph")
+    assert parse_reference("mlperf-v4.0-h200=7951") == ("mlperf-v4.0-h200", 7951.0)
+    assert parse_reference(None) is None
+    for bad in ("7951", "mlperf=", "mlperf=-3", "mlperf=fast"):
+        with pytest.raises(UserError, match="--reference is"):
+            parse_reference(bad)
     proc = cli("bench", "train", "--configs", "fp32-fast")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "fp32-fast" in proc.stderr
     proc = cli("bench", "train", "--model", "vgg")

@@ -24,8 +24,11 @@ def test_gpu_check_cpu_mode_runs_every_step(tmp_path):
     assert list(steps) == ["machine", "cuda_tests", "throughput", "data", "train"]
     tests = steps["cuda_tests"]
     assert tests.get("skipped", 0) + tests.get("passed", 0) >= 10   # every CUDA test ran or said why not
-    assert steps["throughput"]["images_per_s"] > 0 and steps["throughput"]["plain_images_per_s"] > 0
-    assert set(steps["data"]["loader_images_per_s"]) == {"0", "2"}
+    by_batch = steps["throughput"]["by_batch"]
+    assert list(by_batch) == ["8"] and by_batch["8"]["images_per_s"] > 0 and by_batch["8"]["plain_images_per_s"] > 0
+    assert steps["throughput"]["images_per_s"] == by_batch["8"]["images_per_s"]
+    assert set(steps["data"]["loader"]) == {"cpu_0", "cpu_2"}
+    assert all(r["images_per_s"] > 0 for r in steps["data"]["loader"].values())
     assert steps["train"]["steps"] == 3 and steps["train"]["data_wait_s_per_step"] >= 0
     assert (out / "gpu_check.log").stat().st_size > 0
 

@@ -8,25 +8,30 @@ Everything below runs in one process, in the same run, with the same threads (co
 2. Plain PyTorch: the same architecture (`build_model`, fresh weights), fp32, NCHW, eager, float input,
    ``torch.optim.SGD(momentum=0.9, weight_decay=1e-4)``: ``zero_grad; cross_entropy(model(x), y).backward();
    step`` -- the loop a user would write.
-3. largebatch: per configuration (--configs, e.g. ``fp32``, ``fp32-cl``, ``bf16-cl``, ``fp32-cl-compile``:
-   precision, channels_last, torch.compile) a real `Trainer` on the synthetic source (world size 1), timed
+3. largebatch: per configuration (--configs, e.g. ``fp32``, ``fp32-cl``, ``bf16-cl``, ``fp32-cl-compile``,
+   ``fp16-cl-graph``: precision, channels_last, torch.compile, the step as one CUDA graph, which is off
+   unless named) a real `Trainer` on the synthetic source (world size 1), timed
    through `Trainer.train_step` (largebatch/step.py) on micro-batches from its own sampler and source: uint8 pixels until the
-   model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (foreach SGD), the one
-   finiteness host sync per step. The product's step, not a separate loop. Its input is staged: two
-   steps' micro-batches are drawn from the source once, in the model's memory format and, on CUDA, in
-   pinned memory (as the JPEG and shard loaders deliver them from their worker processes), and cycled.
+   model's Normalize, autocast, channels_last, the optimizer from `build_optimizer` (--optimizer; label
+   smoothing --label-smoothing), no host sync. The product's step, not a separate loop. Its input is staged:
+   two steps' micro-batches are drawn from the source once, in the model's memory format and, on CUDA, on
+   the device (the trainer's prefetcher copies each step's batches there on a side stream a step ahead;
+   `bench data` and an end-to-end run measure that part), and cycled.
    Drawing a 224 px batch in this process costs about as much as a GPU step (the in-memory source's
    per-pixel crop index: 50 ms of CPU per 256 images beside a 55 ms bf16 step on an H200), and it is the
    loader's work, which `bench data` measures.
    Peers (--peers timm,torchvision): those libraries' own `resnet50`-style models (the same name as
    --model) through one plain loop with each configuration's settings (autocast precision, channels_last,
    torch.compile, GradScaler for fp16), named ``timm:CONFIG`` and ``torchvision:CONFIG``. A peer that is not
-   installed is reported as skipped.
-4. Timing: one untimed warm-up step per entry (and compilation), then --rounds rounds; in each round every
+   installed is reported as skipped; a ``-graph`` configuration is compared with the peers' loop of the same
+   configuration without it (they have no graph of their own).
+4. Timing: untimed warm-up steps per entry (one; graph.WARMUP + 2 where a CUDA graph is captured; and
+   compilation), then --rounds rounds; in each round every
    entry runs --steps steps in turn, so a load change on a shared machine hits all of them alike; on CUDA
    each entry's steps end with a device synchronisation. Each entry's figure is its median round. On CUDA,
    fp32 means TF32 matmuls and convolutions for every entry alike (`torch.set_float32_matmul_precision("high")`).
-5. Report: images/s per entry, the fastest largebatch configuration, its speedup over the plain loop, and
+5. Report: images/s per entry, the fastest largebatch configuration, its speedup over the plain loop, its
+   ratio to --reference NAME=IMAGES_PER_S (e.g. MLPerf's per-GPU rate) where given, and
    MFU = images/s x 3 x forward FLOPs per image (`count_flops`; backward = 2 x forward) / peak, against
    the fp32 peak, the bf16 peak and the machine's peak. --json writes all of it.
 """
@@ -96,14 +101,36 @@ def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5,
 
 
 def parse_config(name: str) -> dict:
-    """'bf16-cl-compile' -> {'precision': 'bf16', 'channels_last': True, 'compile': False}."""
+    """'bf16-cl-compile' -> {'precision': 'bf16', 'channels_last': True, 'compile': True, 'graph': False}."""
     parts = name.split("-")
-    if parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile"} or len(set(parts[1:])) != len(parts[1:]):
-        raise UserError(f"--configs entry {name!r} is not PRECISION[-cl][-compile] with PRECISION one of "
-                        f"{', '.join(PRECISIONS)} (e.g. fp32-cl or bf16-cl-compile).")
-    if parts[0] == "fp16" and not torch.cuda.is_available():
-        raise UserError(f"--configs entry {name!r}: fp16 needs a CUDA device; use bf16 or fp32 on CPU.")
-    return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": "compile" in parts[1:]}
+    if (parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile", "graph"}
+            or len(set(parts[1:])) != len(parts[1:])):
+        raise UserError(f"--configs entry {name!r} is not PRECISION[-cl][-compile][-graph] with PRECISION one of "
+                        f"{', '.join(PRECISIONS)} (e.g. fp32-cl or bf16-cl-compile-graph).")
+    for need in ("fp16", "graph"):
+        if need in parts and not torch.cuda.is_available():
+            raise UserError(f"--configs entry {name!r}: {need} needs a CUDA device; leave it out on CPU.")
+    return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": "compile" in parts[1:],
+            "graph": "graph" in parts[1:]}
+
+
+def peer_config(name: str) -> str:
+    """The peers' configuration for largebatch's `name`: the same, without a CUDA graph (they have none)."""
+    return "-".join(p for p in name.split("-") if p != "graph")
+
+
+def parse_reference(text: str | None) -> tuple[str, float] | None:
+    """--reference NAME=IMAGES_PER_S -> (name, rate)."""
+    if not text:
+        return None
+    name, _, rate = text.rpartition("=")
+    try:
+        value = float(rate)
+    except ValueError:
+        value = 0.0
+    if not name or not value > 0:
+        raise UserError(f"--reference is {text!r}; give NAME=IMAGES_PER_S, e.g. mlperf-v4.0-h200=7951.")
+    return name, value
 
 
 def plain_step_fn(args, num_classes: int, device: torch.device, model: torch.nn.Module | None = None,
@@ -169,7 +196,9 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
         "optim": {"name": args.optimizer, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
         "schedule": {"epochs": 1, "warmup_epochs": 0},
         "train": {"precision": spec["precision"], "channels_last": "on" if spec["channels_last"] else "off",
-                  "compile": spec["compile"], "plots": False, "threads": args.threads, "device": device.type},
+                  "compile": spec["compile"], "plots": False, "threads": args.threads, "device": device.type,
+                  "cuda_graph": "on" if spec.get("graph") else "off",
+                  "label_smoothing": getattr(args, "label_smoothing", 0.0)},
     }, recipe="bench-train")
     trainer = Trainer(cfg, run_dir, quiet=True)
     phase = trainer.plan.phase_at(0)
@@ -193,12 +222,12 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
     for _ in range(2 * phase.accumulation):
         x, y = next_micro()
         x = x.contiguous(memory_format=fmt)
-        staged.append((x.pin_memory(), y.pin_memory()) if device.type == "cuda" else (x, y))
+        staged.append((x.to(device), y.to(device)) if device.type == "cuda" else (x, y))
     turns = itertools.cycle(staged)
 
     def step() -> None:
         micros = [next(turns) for _ in range(phase.accumulation)]
-        trainer.train_step(0, micros, phase, lr)   # ends in the per-step finiteness host sync
+        trainer.train_step(0, micros, phase, lr)   # no host sync: measure() synchronises per round
     # its parts, for scripts/gpu_step_profile.py and the tests
     step.parts = SimpleNamespace(trainer=trainer, next_micro=next_micro, staged=staged,  # type: ignore[attr-defined]
                                  phase=phase, lr=lr)
@@ -206,11 +235,14 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
 
 
 def measure(entries: dict[str, Callable[[], None]], batch: int, steps: int, rounds: int,
-            log: Callable[[str], None], device: torch.device = torch.device("cpu")) -> dict[str, dict]:
-    """Step 4: warm-up, then interleaved rounds; images/s per entry (median round, and every round)."""
+            log: Callable[[str], None], device: torch.device = torch.device("cpu"),
+            warmup: dict[str, int] | None = None) -> dict[str, dict]:
+    """Step 4: warm-up (`warmup` steps by entry, default 1), then interleaved rounds; images/s per entry
+    (median round, and every round)."""
     for name, step in entries.items():
         t0 = time.perf_counter()
-        step()
+        for _ in range((warmup or {}).get(name, 1)):
+            step()
         _sync(device)
         log(f"  warm-up {name}: {time.perf_counter() - t0:.1f} s")
     rates: dict[str, list[float]] = {name: [] for name in entries}
@@ -245,9 +277,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
     p.add_argument("--peers", default="", help=f"comma-separated peer libraries ({', '.join(PEERS)}) whose model of "
                                                "the same name runs through the plain loop with each configuration")
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="largebatch's label smoothing (MLPerf: 0.1)")
+    p.add_argument("--reference", default=None, help="NAME=IMAGES_PER_S: a published rate to compare the best with, "
+                                                     "e.g. mlperf-v4.0-h200=7951 (MLPerf Training v4.0, per H200)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     p.add_argument("--quiet", action="store_true", help="only the summary")
     args = p.parse_args(argv)
+    reference = parse_reference(args.reference)
+    if not 0 <= args.label_smoothing < 1:
+        raise UserError(f"--label-smoothing is {args.label_smoothing}; give a number in [0, 1).")
     peers = [x for x in args.peers.split(",") if x]
     if set(peers) - set(PEERS):
         raise UserError(f"--peers has {sorted(set(peers) - set(PEERS))}; choose from {', '.join(PEERS)}.")
@@ -288,17 +326,24 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="largebatch-bench-train-") as tmp:
         entries = {"plain": plain_step_fn(args, args.classes, device)}
         skipped: dict[str, str] = {}
+        from largebatch.graph import WARMUP
+
+        warmup = {}
         for name, spec in specs.items():
             entries[name] = largebatch_step_fn(args, spec, Path(tmp) / name, device)
+            warmup[name] = WARMUP + 2 if spec["graph"] else 1
             for peer in peers:
+                if f"{peer}:{peer_config(name)}" in entries:
+                    continue
                 model = peer_model(peer, args.model, args.classes)
                 if isinstance(model, str):
                     skipped[peer] = model
                 else:
-                    entries[f"{peer}:{name}"] = plain_step_fn(args, args.classes, device, model, spec)
+                    entries[f"{peer}:{peer_config(name)}"] = plain_step_fn(args, args.classes, device, model,
+                                                                           parse_config(peer_config(name)))
         for peer, why in skipped.items():
             log(f"  peer {peer} skipped: {why}")
-        results = measure(entries, args.batch, args.steps, args.rounds, log, device)
+        results = measure(entries, args.batch, args.steps, args.rounds, log, device, warmup)
     # 5. Report.
     plain = results.pop("plain")["images_per_s"]
     peer_results = {n: results.pop(n) for n in list(results) if ":" in n}
@@ -323,10 +368,14 @@ def main(argv: list[str]) -> int:
         "configs": results,
         "peers": peer_results, "peers_skipped": skipped,
         # the best largebatch step over the faster peer with the same configuration's settings
-        "vs_best_peer": {n: r["images_per_s"] / max(peer_results[f"{p}:{n}"]["images_per_s"] for p in peers
-                                                   if f"{p}:{n}" in peer_results)
-                         for n, r in results.items() if any(f"{p}:{n}" in peer_results for p in peers)},
+        "vs_best_peer": {n: r["images_per_s"] / max(peer_results[f"{p}:{peer_config(n)}"]["images_per_s"]
+                                                   for p in peers if f"{p}:{peer_config(n)}" in peer_results)
+                         for n, r in results.items() if any(f"{p}:{peer_config(n)}" in peer_results for p in peers)},
+        "label_smoothing": args.label_smoothing,
     }
+    if reference is not None:
+        out["reference"] = {"name": reference[0], "images_per_s": reference[1]}
+        out["vs_reference"] = rate / reference[1]
     print(f"{args.model} @ {args.image_size} px, batch {args.batch}, {threads} threads: plain PyTorch "
           f"{plain:.1f} img/s; " + "; ".join(f"{n} {r['images_per_s']:.1f} img/s ({r['speedup']:.2f}x)"
                                              for n, r in results.items()))
@@ -338,6 +387,8 @@ def main(argv: list[str]) -> int:
         print("peers (plain loop, same settings): " + "; ".join(
             f"{n} {r['images_per_s']:.1f} img/s" for n, r in peer_results.items()))
         print("largebatch / faster peer: " + ", ".join(f"{n} {v:.2f}x" for n, v in out["vs_best_peer"].items()))
+    if reference is not None:
+        print(f"best / {reference[0]} ({reference[1]:.0f} img/s): {out['vs_reference']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
