@@ -212,7 +212,10 @@ class TrainConfig(Section):
     device: str = _choices("auto", "cpu", "cuda", doc="auto: cuda when available")
     precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA)")
     channels_last: str = _choices("auto", "on", "off", doc="NHWC memory format (auto: on for CUDA and bf16 CPU)")
-    compile: bool = _doc(False, "torch.compile the model")
+    compile: bool = _doc(False, "torch.compile the model (Inductor fuses BN's and ReLU's elementwise work)")
+    compile_mode: str = _choices("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune",
+                                 doc="torch.compile's mode; the last two capture CUDA graphs of their own, so "
+                                     "train.cuda_graph stays off with them")
     cuda_graph: str = _choices("auto", "on", "off",
                                doc="replay each training step as one CUDA graph (auto: on one CUDA process without "
                                    "train.noise_scale, else eager with one line saying why; largebatch/graph.py)")
@@ -239,6 +242,9 @@ class TrainConfig(Section):
         if self.ema is not None and not 0 < self.ema < 1:
             raise UserError(f"train.ema is {self.ema}; it must be in (0, 1) or null.")
         check_threads("train.threads", self.threads, " per worker", ", or null for cores / local workers")
+        if self.compile_mode != "default" and not self.compile:
+            raise UserError(f"train.compile_mode is {self.compile_mode} but train.compile is false; set train.compile "
+                            "true, or remove train.compile_mode.")
 
 
 @dataclass

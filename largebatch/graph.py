@@ -5,7 +5,10 @@ torch's "whole network capture" recipe and MLPerf's ResNet-50).
 
 1. Where it applies (`plan`): one CUDA process, without the gradient noise scale. It does not apply on CPU,
    across processes (DDP's reducer runs Python between its collectives during the backward; capture across
-   processes is not built yet) or with `train.noise_scale` (its measuring steps read norms on the host).
+   processes is not built yet), with `train.noise_scale` (its measuring steps read norms on the host) or
+   with a torch.compile mode that captures CUDA graphs of its own (reduce-overhead, max-autotune). With
+   torch.compile's default or max-autotune-no-cudagraphs mode the compiled forward and backward (Triton
+   and library kernels) are captured inside this graph.
    There `auto` trains eagerly, saying so in one line when on CUDA, and `on` is refused with one sentence.
 2. A step's *shape* is everything the capture bakes in: each micro-batch's shape, dtype and strides, the
    resolution, the per-worker batch (the loss divisor) and every group's weight decay (the Collapsed
@@ -30,8 +33,13 @@ from largebatch.errors import UserError
 WARMUP = 3   # eager steps of each new shape before its capture (torch's recipe for one process)
 
 
-def plan(choice: str, device: torch.device, world_size: int, noise_scale: bool) -> tuple[bool, str | None]:
-    """Step 1: (use a graph, the reason it does not apply or None). Raises UserError when `on` cannot apply."""
+GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes with CUDA graphs of their own
+
+
+def plan(choice: str, device: torch.device, world_size: int, noise_scale: bool, compile_mode: str | None = None
+         ) -> tuple[bool, str | None]:
+    """Step 1: (use a graph, the reason it does not apply or None). Raises UserError when `on` cannot apply.
+    `compile_mode` is torch.compile's mode when the model is compiled, else None."""
     reason = None
     if device.type != "cuda":
         reason = "CUDA graphs need a CUDA device"
@@ -39,6 +47,8 @@ def plan(choice: str, device: torch.device, world_size: int, noise_scale: bool) 
         reason = "capture across processes (DDP) is not supported yet"
     elif noise_scale:
         reason = "train.noise_scale reads gradient norms on the host on its measuring steps"
+    elif compile_mode in GRAPHING_COMPILE_MODES:
+        reason = f"torch.compile's mode {compile_mode} captures CUDA graphs of its own"
     if choice == "off":
         return False, None
     if reason is not None:

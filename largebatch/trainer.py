@@ -64,7 +64,8 @@ class Trainer:
         if t.precision == "fp16" and self.device.type != "cuda":
             raise UserError("train.precision fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU.")
         self.info = dist_mod.init(self.device, cfg.comm.timeout_s)
-        use_graph, why_not = graph.plan(t.cuda_graph, self.device, self.info.world_size, t.noise_scale)
+        use_graph, why_not = graph.plan(t.cuda_graph, self.device, self.info.world_size, t.noise_scale,
+                                        t.compile_mode if t.compile else None)
         self.threads = dist_mod.set_threads(t.threads, self.info.local_world_size)
         self.main = self.info.is_main
         if t.deterministic:
@@ -110,7 +111,8 @@ class Trainer:
                 from largebatch.comm import register
 
                 self.comm_state = register(self.ddp, cfg.comm)   # the section's set fields are the options
-        forward = torch.compile(self.ddp) if t.compile else self.ddp
+        mode = None if t.compile_mode == "default" else t.compile_mode
+        forward = torch.compile(self.ddp, mode=mode) if t.compile else self.ddp
 
         # 7. optimizer (lr set per step from the plan)
         self.optimizer = build_optimizer(cfg.optim, model, lr=self.plan.lr(0))

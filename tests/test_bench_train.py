@@ -33,7 +33,8 @@ def test_config_names_and_user_errors(cli):
                                                "graph": False}
     assert parse_config("fp32") == {"precision": "fp32", "channels_last": False, "compile": False, "graph": False}
     assert peer_config("fp16-cl-compile-graph") == "fp16-cl-compile" and peer_config("bf16-cl") == "bf16-cl"
-    for bad in ("fp8", "fp32-nhwc", "fp32-cl-cl"):
+    assert parse_config("bf16-cl-autotune")["compile"] == "max-autotune-no-cudagraphs"
+    for bad in ("fp8", "fp32-nhwc", "fp32-cl-cl", "fp32-compile-autotune"):
         with pytest.raises(UserError):
             parse_config(bad)
     if not torch.cuda.is_available():

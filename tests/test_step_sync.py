@@ -224,6 +224,11 @@ def test_where_a_cuda_graph_applies_and_the_sentences_where_it_does_not():
     assert graph.plan("auto", cuda, 1, False) == (True, None)
     assert graph.plan("auto", cuda, 2, False) == (False, "capture across processes (DDP) is not supported yet")
     assert graph.plan("auto", cuda, 1, True)[1].startswith("train.noise_scale")
+    assert graph.plan("auto", cuda, 1, False, "max-autotune-no-cudagraphs") == (True, None)   # captured inside
+    assert graph.plan("auto", cuda, 1, False, "reduce-overhead") == (
+        False, "torch.compile's mode reduce-overhead captures CUDA graphs of its own")
+    with pytest.raises(UserError, match="train.compile_mode is reduce-overhead but train.compile is false"):
+        config.load("fashion_mnist", ["train.compile_mode=reduce-overhead"])
     for device, world, noise, why in ((cpu, 1, False, "need a CUDA device"), (cuda, 2, False, "DDP"),
                                       (cuda, 1, True, "noise_scale")):
         with pytest.raises(UserError, match=f"train.cuda_graph is on but .*{why}.*; set train.cuda_graph to auto or off."):

@@ -101,17 +101,18 @@ def matmul_peak_gflops(dtype: torch.dtype, size: int, min_time_s: float = 0.5,
 
 
 def parse_config(name: str) -> dict:
-    """'bf16-cl-compile' -> {'precision': 'bf16', 'channels_last': True, 'compile': True, 'graph': False}."""
+    """'bf16-cl-compile' -> {'precision': 'bf16', 'channels_last': True, 'compile': True, 'graph': False}; an
+    ``autotune`` part compiles with Inductor's max-autotune-no-cudagraphs mode ('compile': that mode)."""
     parts = name.split("-")
-    if (parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile", "graph"}
-            or len(set(parts[1:])) != len(parts[1:])):
-        raise UserError(f"--configs entry {name!r} is not PRECISION[-cl][-compile][-graph] with PRECISION one of "
-                        f"{', '.join(PRECISIONS)} (e.g. fp32-cl or bf16-cl-compile-graph).")
+    if (parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile", "autotune", "graph"}
+            or len(set(parts[1:])) != len(parts[1:]) or {"compile", "autotune"} <= set(parts[1:])):
+        raise UserError(f"--configs entry {name!r} is not PRECISION[-cl][-compile|-autotune][-graph] with PRECISION "
+                        f"one of {', '.join(PRECISIONS)} (e.g. fp32-cl or bf16-cl-compile-graph).")
     for need in ("fp16", "graph"):
         if need in parts and not torch.cuda.is_available():
             raise UserError(f"--configs entry {name!r}: {need} needs a CUDA device; leave it out on CPU.")
-    return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": "compile" in parts[1:],
-            "graph": "graph" in parts[1:]}
+    compile_: bool | str = "max-autotune-no-cudagraphs" if "autotune" in parts[1:] else "compile" in parts[1:]
+    return {"precision": parts[0], "channels_last": "cl" in parts[1:], "compile": compile_, "graph": "graph" in parts[1:]}
 
 
 def peer_config(name: str) -> str:
@@ -146,7 +147,8 @@ def plain_step_fn(args, num_classes: int, device: torch.device, model: torch.nn.
     fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     model = model.to(device, memory_format=fmt).train()  # type: ignore[call-overload]  # stubs omit memory_format
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    forward = torch.compile(model) if spec["compile"] else model
+    mode = spec["compile"] if isinstance(spec["compile"], str) else None
+    forward = torch.compile(model, mode=mode) if spec["compile"] else model
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, num_classes, (args.batch,), device=device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["precision"])
@@ -196,7 +198,8 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
         "optim": {"name": args.optimizer, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
         "schedule": {"epochs": 1, "warmup_epochs": 0},
         "train": {"precision": spec["precision"], "channels_last": "on" if spec["channels_last"] else "off",
-                  "compile": spec["compile"], "plots": False, "threads": args.threads, "device": device.type,
+                  "compile": bool(spec["compile"]), "plots": False, "threads": args.threads, "device": device.type,
+                  **({"compile_mode": spec["compile"]} if isinstance(spec["compile"], str) else {}),
                   "cuda_graph": "on" if spec.get("graph") else "off",
                   "label_smoothing": getattr(args, "label_smoothing", 0.0)},
     }, recipe="bench-train")
@@ -268,7 +271,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--classes", type=int, default=1000, help="output classes")
     p.add_argument("--batch", type=int, default=32, help="images per step (one process)")
     p.add_argument("--configs", default="fp32,fp32-cl,bf16-cl",
-                   help="comma-separated largebatch configurations PRECISION[-cl][-compile]")
+                   help="comma-separated largebatch configurations PRECISION[-cl][-compile|-autotune][-graph]")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "lars", "lamb"), help="largebatch optimizer")
     p.add_argument("--steps", type=int, default=3, help="steps per entry per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
