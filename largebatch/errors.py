@@ -16,14 +16,32 @@ class UserError(Exception):
     """Bad input from a user: config, data, command line, world size."""
 
 
+def fs_bytes(path: object) -> bytes:
+    """A path's name as bytes, as on disk. Linux names are bytes; Python keeps a byte that is not UTF-8 as a
+    lone surrogate (``os.fsdecode``), which a strict text stream cannot encode: write these bytes instead."""
+    if isinstance(path, bytes):
+        return path
+    text = str(path)
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError:   # a surrogate no file name decodes to
+        return text.encode("utf-8", "surrogatepass")
+
+
+def shown(path: object) -> str:
+    """A path as text any stream can print: unchanged where its name is UTF-8, ``\\xNN`` for each byte that is not."""
+    return fs_bytes(path).decode("utf-8", "backslashreplace")
+
+
 def report(err: UserError) -> int:
     """Print the error once and return exit code 2.
 
     Under torchrun every rank that meets the error raises it, often the same sentence on every rank
     (a bad config) and sometimes on one rank alone (its data, its node). The first rank to report a
-    given sentence prints it; the others stay quiet (`first_report`).
+    given sentence prints it; the others stay quiet (`first_report`). A byte of a path that is not UTF-8
+    is printed as ``\\xNN`` (`shown`).
     """
-    text = f"largebatch: error: {err}"
+    text = shown(f"largebatch: error: {err}")   # a path in it may be any bytes
     if first_report(text):
         print(text, file=sys.stderr, flush=True)
     return EXIT_USER_ERROR
@@ -45,7 +63,7 @@ def first_report(text: str) -> bool:
                               timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
         key = (f"largebatch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt"
                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported/"
-               f"{hashlib.sha256(text.encode()).hexdigest()[:16]}")
+               f"{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}")
         return store.add(key, 1) == 1
     except Exception:   # noqa: BLE001 - no store: print
         return True

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from largebatch.errors import fs_bytes
 from largebatch.rundir import open_own, own_dir
 
 
@@ -187,13 +188,14 @@ def write_tensorboard(run_dir: Path) -> None:
 
 
 def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bool, tensorboard: bool) -> None:
-    """A finished run's files: summary.json, corrupt_images.txt (when any image was skipped), the plots and
-    the TensorBoard event file when asked for."""
+    """A finished run's files: summary.json, corrupt_images.txt (when any image was skipped: one name per line,
+    written as the bytes of the name on disk, so a name that is not UTF-8 is listed as it is; a newline inside
+    a name is written as the two characters \\n), the plots and the TensorBoard event file when asked for."""
     with open_own(run_dir / "summary.json") as f:
         f.write(json.dumps(summary, indent=2))
-    if corrupt:
-        with open_own(run_dir / "corrupt_images.txt") as f:
-            f.write("\n".join(corrupt) + "\n")
+    if corrupt:   # the names' bytes as on disk (any name, also one that is not UTF-8), one per line
+        with open_own(run_dir / "corrupt_images.txt", "wb") as f:
+            f.write(b"".join(fs_bytes(name).replace(b"\n", b"\\n") + b"\n" for name in corrupt))
     if plots:
         plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
     if tensorboard:
