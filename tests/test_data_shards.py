@@ -1,7 +1,9 @@
 """Tar shards: pack an ImageFolder, read exactly once across 2 ranks x 2 loader workers."""
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from PIL import Image
 
 from largebatch.config import DataConfig
 from largebatch.data import build_data
-from largebatch.data.sampler import eval_shard, steps_per_epoch
+from largebatch.data.sampler import epoch_permutation, eval_shard, steps_per_epoch
 from largebatch.data.shards import ShardSource, slot_ranges
 from largebatch.errors import UserError
 
@@ -58,8 +60,8 @@ def test_pack_and_read_exactly_once_two_ranks_two_workers(tmp_path, cli):
     assert labels != sorted(labels) and sorted(labels) == sorted([i % 3 for i in range(37)])
 
     def source(split: str, rank: int) -> ShardSource:
-        return ShardSource(tmp_path / "sh", index["splits"][split], size=16, min_scale=0.3, seed=1, augment=True,
-                           workers=2, on_corrupt="fail", rank=rank, world=2)
+        return ShardSource(tmp_path / "sh", index["splits"][split], num_classes=3, size=16, min_scale=0.3, seed=1,
+                           augment=True, workers=2, on_corrupt="fail", rank=rank, world=2)
 
     # Evaluation: the whole val split exactly once across the 2 ranks, in the trainer's batch sizes.
     val_keys = []
@@ -94,3 +96,193 @@ def test_shards_build_data_errors(tmp_path):
     # In-process (the CLI turns UserError into exit 2; the pack test above runs the real CLI).
     with pytest.raises(UserError):
         shards.main([str(tmp_path / "missing"), str(tmp_path / "out")])
+
+
+# ---- damaged shards: exactly once, or one sentence naming the shard -------------------------------------------
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """An intact shard set (37 train, 11 val samples, 3 classes, several shards per split)."""
+    from largebatch.data import shards
+
+    root = tmp_path_factory.mktemp("packed")
+    _tree(root / "if")
+    shards.pack(root / "if", root / "sh", shard_bytes=4096)
+    return root / "sh"
+
+
+def _copy(packed: Path, tmp_path: Path) -> tuple[Path, dict]:
+    dst = tmp_path / "sh"
+    shutil.copytree(packed, dst)
+    return dst, json.loads((dst / "index.json").read_text())
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Rewrite a shard as `edit(members)` gives it: members are (TarInfo, bytes or None) pairs."""
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in edit(members):
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+def _set_label(value: bytes):
+    def edit(members):
+        return [(m, value if m.name.endswith(".cls") and i == 1 else d) for i, (m, d) in enumerate(members)]
+    return edit
+
+
+def _first(split: str):
+    return lambda index: index["splits"][split]["shards"][0]["name"]
+
+
+# Each damage: what to do to a copy of the packed set, and what the one sentence must say.
+DAMAGES = {
+    "val shard cut in half": (
+        lambda root, index: (root / _first("val")(index)).write_bytes(
+            (root / _first("val")(index)).read_bytes()[: (root / _first("val")(index)).stat().st_size // 2]),
+        ["val-000000.tar", "re-pack"]),
+    "train shard cut at a member boundary": (
+        lambda root, index: _rewrite(root / _first("train")(index), lambda ms: ms[:2]),
+        ["train-000000.tar holds 1 samples but index.json lists", "truncated"]),
+    "not a tar": (lambda root, index: (root / _first("train")(index)).write_bytes(b"<html>not found</html>" * 40),
+                  ["train-000000.tar is not an uncompressed tar archive"]),
+    "empty file": (lambda root, index: (root / _first("val")(index)).write_bytes(b""),
+                   ["val-000000.tar is empty (0 bytes)"]),
+    "missing shard": (lambda root, index: (root / _first("train")(index)).unlink(),
+                      ["train-000000.tar listed in index.json is missing"]),
+    "directory member": (lambda root, index: _rewrite(root / _first("train")(index),
+                                                      lambda ms: [(_member("sub", tarfile.DIRTYPE), None)] + ms),
+                         ["has a directory member sub"]),
+    "symlink member": (lambda root, index: _rewrite(root / _first("train")(index), lambda ms: ms + [
+        (_member("000000099.jpg", tarfile.SYMTYPE, "/etc/passwd"), None)]), ["has a link member 000000099.jpg"]),
+    "absolute member": (lambda root, index: _rewrite(root / _first("train")(index), lambda ms: [
+        (_member("/tmp/000000000.jpg"), b"x")] + ms), ["absolute name /tmp/000000000.jpg"]),
+    "dot-dot member": (lambda root, index: _rewrite(root / _first("train")(index), lambda ms: [
+        (_member("../000000000.jpg"), b"x")] + ms), ["goes up with '..'"]),
+    "other member": (lambda root, index: _rewrite(root / _first("train")(index), lambda ms: ms + [
+        (_member("notes.txt"), b"x")]), ["notes.txt that is neither <key>.jpg nor <key>.cls"]),
+    "label not a number": (lambda root, index: _rewrite(root / _first("train")(index), _set_label(b"cat")),
+                           ["holds b'cat', not a class number"]),
+    "label outside the classes": (lambda root, index: _rewrite(root / _first("val")(index), _set_label(b"3")),
+                                  ["holds class 3, outside 0..2 (index.json lists 3 classes)"]),
+    "image without label": (lambda root, index: _rewrite(root / _first("train")(index),
+                                                         lambda ms: [ms[0]] + ms[2:]),
+                            ["has no label member"]),
+    "duplicate key": (lambda root, index: _rewrite(root / _first("train")(index), lambda ms: ms + ms[:2]),
+                      ["twice"]),
+    "key in two shards": (lambda root, index: _rewrite(
+        root / index["splits"]["train"]["shards"][1]["name"], lambda ms: ms[:-2] + _members_of(root, _first(
+            "train")(index))[:2]), ["is in shard", "and in shard", "train-000000.tar"]),
+    "count overstated": (lambda root, index: _edit_index(root, lambda ix: ix["splits"]["val"]["shards"][0].update(
+        count=ix["splits"]["val"]["shards"][0]["count"] + 1) or ix["splits"]["val"].update(
+        total=ix["splits"]["val"]["total"] + 1)), ["val-000000.tar holds", "but index.json lists"]),
+    "index without classes": (lambda root, index: _edit_index(root, lambda ix: ix.pop("classes")),
+                              ["index.json: classes is missing or not a list"]),
+    "count as a string": (lambda root, index: _edit_index(root, lambda ix: ix["splits"]["train"]["shards"][0].update(
+        count="5")), ["splits.train.shards[0].count is missing or not a whole number"]),
+    "shard name with a path": (lambda root, index: _edit_index(
+        root, lambda ix: ix["splits"]["train"]["shards"][0].update(name="../train-000000.tar")),
+        ["splits.train.shards[0].name is missing or not a file name"]),
+    "index not JSON": (lambda root, index: (root / "index.json").write_bytes(b"\xff{"), ["cannot read"]),
+}
+
+
+def _members_of(root: Path, name: str) -> list:
+    with tarfile.open(root / name) as tar:
+        return [(m, tar.extractfile(m).read()) for m in tar]
+
+
+def _edit_index(root: Path, edit) -> None:
+    index = json.loads((root / "index.json").read_text())
+    edit(index)
+    (root / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_shard_set_is_refused_at_start_up_naming_the_shard(packed, tmp_path, damage):
+    root, index = _copy(packed, tmp_path)
+    do, fragments = DAMAGES[damage]
+    do(root, index)
+    with pytest.raises(UserError) as err:
+        build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)
+    text = str(err.value)
+    for fragment in fragments:
+        assert fragment in text, text
+    assert "\n" not in text and ("re-pack" in text or "re-run" in text or "copy it" in text), text
+
+
+def test_an_intact_shard_set_passes_the_start_up_check(packed, tmp_path):
+    root, _ = _copy(packed, tmp_path)
+    train, test, info = build_data(DataConfig(dataset="shards", root=str(root), image_size=16), seed=0)
+    assert (len(train), len(test), info.num_classes) == (37, 11, 3)
+
+
+def _sources(root: Path, split: str, num_classes: int = 3, on_corrupt: str = "fail") -> list[ShardSource]:
+    index = json.loads((root / "index.json").read_text())
+    return [ShardSource(root, index["splits"][split], num_classes=num_classes, size=16, min_scale=0.3, seed=1,
+                        augment=True, workers=2, on_corrupt=on_corrupt, rank=rank, world=2) for rank in range(2)]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_exactly_once_or_a_sentence_when_a_shard_is_damaged_after_start_up(packed, tmp_path, split):
+    """The reader (2 ranks x 2 loader workers, a full epoch, as the trainer asks) on a shard truncated after the
+    start-up check: was `generator raised StopIteration` (training) or an evaluation of 10 of 16 images, exit 0."""
+    root, index = _copy(packed, tmp_path)
+    sources = _sources(root, split)   # built on the intact set, as after start-up
+    shards = index["splits"][split]["shards"]
+    # the shard read first (training reads at most the epoch's steps, so a shard at the tail may go unread)
+    first = epoch_permutation(len(shards), 0, 1)[0].item() if split == "train" else 0
+    victim = root / shards[first]["name"]
+    _rewrite(victim, lambda ms: ms[:2])   # a whole number of samples: only the count tells
+    messages = []
+    for rank, src in enumerate(sources):
+        if split == "train":
+            steps = steps_per_epoch(37, 8)
+            batches = [torch.zeros(4)] * steps
+        else:
+            batches = list(eval_shard(len(src), rank, 2).split(4))
+        try:
+            got = sum(len(y) for _, y in src.batches(batches, train=split == "train", epoch=0))
+        except UserError as err:
+            messages.append(str(err))
+        else:
+            want = 4 * len(batches) if split == "train" else len(eval_shard(len(src), rank, 2))
+            assert got == want   # a rank that never reads the shard gets everything it asked for
+    assert messages, "a truncated shard was read silently"
+    for text in messages:
+        assert f"shard {victim} holds 1 samples but index.json lists {shards[first]['count']}" in text, text
+
+
+def test_the_reader_also_refuses_a_label_outside_the_classes(packed, tmp_path):
+    root, _ = _copy(packed, tmp_path)
+    messages = []
+    for src in _sources(root, "val", num_classes=2):   # the index says 3 classes; label 2 is outside 0..1
+        try:
+            list(src.batches([torch.zeros(11)], train=False, epoch=0))
+        except UserError as err:
+            messages.append(str(err))
+    assert messages and all("outside 0..1" in m for m in messages), messages
+
+
+def test_corrupt_images_in_shards_are_listed_by_shard_and_key(packed, tmp_path):
+    root, index = _copy(packed, tmp_path)
+    name = index["splits"]["val"]["shards"][0]["name"]
+    _rewrite(root / name, lambda ms: [(m, b"not a jpeg" if i == 0 else d) for i, (m, d) in enumerate(ms)])
+    seen, corrupt = 0, []
+    for rank, src in enumerate(_sources(root, "val", on_corrupt="skip")):
+        seen += sum(len(y) for _, y in src.batches(list(eval_shard(11, rank, 2).split(4)), train=False, epoch=0))
+        corrupt += src.corrupt
+    first = _members_of(root, name)[0][0].name
+    assert seen == 10 and corrupt == [f"{name}/{first}"]
+    with pytest.raises(UserError, match=f"corrupt image {name}/{first} in the shards"):
+        for rank, src in enumerate(_sources(root, "val", on_corrupt="fail")):
+            list(src.batches(list(eval_shard(11, rank, 2).split(4)), train=False, epoch=0))

@@ -36,25 +36,47 @@ hang under DDP) or drop data. Step 2 splits at sample granularity instead, so an
 shard sizes and any number of shards (even fewer than ranks x workers) work.
 The order of samples within a rank depends on the number of loader workers
 (the pixels of a given sample do not: they are keyed by its index).
+
+Damaged shards (exactly once, or a sentence naming the shard):
+
+6. Start-up: ``check_index`` checks index.json's fields; ``check_split`` walks the tar
+   headers of every shard of both splits (and reads each label's few bytes; no image is
+   decoded): a file that is missing, empty or not an uncompressed tar, a member that is a
+   directory, a link, an absolute or ``..`` name or anything but ``<key>.jpg`` /
+   ``<key>.cls``, a member that runs past the end of the file, an image without its label
+   or a label without its image, a key twice or outside ``0..total-1``, a label that is
+   not a number in ``0..len(classes)-1``, a sample count that differs from index.json:
+   each is one UserError naming the shard (and the member) and the fix, before training.
+7. Reading: the workers apply the same rules and also stop at a shard that ends before
+   its piece does (one changed since start-up); the sentence travels to the main process
+   as data and is raised there. The main process also counts: evaluation must see
+   (decoded + corrupt) = its range, and training must fill every step it was asked for.
+8. Images: a JPEG that does not decode follows ``data.on_corrupt`` (skip and list it as
+   ``<shard>/<key>.jpg``, or stop); in training, skipping so many that a rank cannot fill
+   its steps is a UserError too.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import io
 import json
 import math
 import os
 import random
+import re
 import tarfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.data import jpeg, keyed_random
 from largebatch.data.sampler import eval_shard, epoch_permutation
-from largebatch.errors import UserError, os_error_fix
+from largebatch.errors import UserError, os_error_fix, shown
 
 INDEX = "index.json"
 _CHUNK = 16  # samples per worker -> main process message
@@ -69,12 +91,51 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
+def _skipped(src: Path, split: str, classes: list[str]) -> list[str]:
+    """What `imagefolder.scan` leaves out of a split: entries of split/ that are no class folder, and entries of a
+    class folder that are no JPEG file (*.jpg, *.jpeg, *.jpe: other files, sub-directories, broken links)."""
+    from largebatch.data.imagefolder import EXTENSIONS
+
+    base = src / split
+    out = [e.path for e in os.scandir(base) if not e.is_dir()]
+    for name in classes:
+        if (base / name).is_dir():
+            out += [e.path for e in os.scandir(base / name)
+                    if not (e.is_file() and e.name.lower().endswith(EXTENSIONS))]
+    return sorted(out)
+
+
+def _sweep(dst: Path, say: Callable[[str], None]) -> None:
+    """Remove the temporary directories of earlier packs into `dst` that were killed (SIGKILL, a power cut): each
+    pack holds an flock on its temporary directory while it writes, and the kernel drops it when the pack dies,
+    so a directory whose lock can be taken is nobody's."""
+    import shutil
+
+    for old in sorted(dst.parent.glob(f".{glob.escape(dst.name)}.packing-*")):
+        try:
+            fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:   # a file or a link of that name: not ours to remove
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # a pack that is writing it now
+            continue
+        else:
+            shutil.rmtree(old)
+            say(f"removed {shown(old)}, left by a data pack that was killed")
+        finally:
+            os.close(fd)
+
+
+def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0, say: Callable[[str], None] = lambda line: None
+         ) -> dict:
     """Write the shards and index.json into `dst`, which must not exist or be empty; returns the index.
 
     Everything is written into a temporary sibling directory first and renamed into place at the end, so
     an existing shard set is never touched and a failure (a full disk, Ctrl-C) leaves no half-written set
-    where training would read it.
+    where training would read it; a pack killed outright leaves its temporary directory, which the next pack
+    into the same destination removes (`_sweep`). `say` gets one line per thing to report: the files of the
+    ImageFolder that were left out (not JPEG files in a class folder), a removed temporary directory.
     """
     import shutil
 
@@ -91,10 +152,20 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
                             "give a destination outside train/ and val/ (the source is never written into).")
     classes, train_paths, train_labels = scan(src, "train")
     _, val_paths, val_labels = scan(src, "val", classes)
+    for split in ("train", "val"):
+        left_out = _skipped(src, split, classes)
+        if left_out:
+            more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+            say(f"{split}: skipped {len(left_out)} entries that are not JPEG files (*.jpg, *.jpeg, *.jpe) in a class "
+                f"folder: {', '.join(shown(p) for p in left_out[:3])}{more}")
     tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"
+    lock = -1
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(dst, say)
         tmp.mkdir()
+        lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(lock, fcntl.LOCK_EX)   # held until this process ends: see _sweep
         index = _write_shards(tmp, classes, (("train", train_paths, train_labels), ("val", val_paths, val_labels)),
                               shard_bytes, seed)
         if dst.is_dir():
@@ -106,6 +177,8 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0) -> dict:
             from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if lock >= 0:
+            os.close(lock)
     return index
 
 
@@ -116,7 +189,11 @@ def _write_shards(out: Path, classes: list[str], splits, shard_bytes: int, seed:
         shards: list[dict] = []
         tar, size = None, 0
         for key, i in enumerate(order):
-            data = Path(str(paths[i])).read_bytes()
+            try:
+                data = Path(str(paths[i])).read_bytes()
+            except OSError as exc:   # the source's fault, not the destination's
+                raise UserError(f"data pack cannot read {shown(paths[i])} ({exc.strerror or exc}); fix its "
+                                "permissions or remove it, then pack again (nothing was written).") from None
             if tar is None or (size + len(data) > shard_bytes and shards[-1]["count"] > 0):
                 if tar is not None:
                     tar.close()
@@ -150,9 +227,9 @@ def main(argv: list[str]) -> int:
     if not args.src.is_dir():   # named as the argument it is (the ImageFolder reader names its config key data.root)
         what = "is a file, not a directory" if args.src.exists() else "does not exist"
         raise UserError(f"data pack source {args.src} {what}; give an ImageFolder root with train/ and val/.")
-    index = pack(args.src, args.dst, int(args.shard_size_mb * 2**20), args.seed)
+    index = pack(args.src, args.dst, int(args.shard_size_mb * 2**20), args.seed, say=print)
     for split, s in index["splits"].items():
-        print(f"{split}: {s['total']} images in {len(s['shards'])} shards -> {args.dst}")
+        print(f"{split}: {s['total']} images in {len(s['shards'])} shards -> {shown(args.dst)}")
     return 0
 
 
@@ -180,35 +257,186 @@ def slot_ranges(counts: list[int], order: list[int], rank: int, world: int, work
     return out
 
 
-def _read_pieces(root: Path, names: list[str], pieces: list[tuple[int, int, int]]) -> Iterator[tuple[int, bytes, int]]:
-    """Step 3: (key, jpeg bytes, label) of each piece, sequentially, skipping by seek."""
+_MEMBER = re.compile(r"(\d{1,18})\.(jpg|cls)")
+_FIX = "re-pack the ImageFolder with 'largebatch data pack'"
+
+
+def _member_problem(member: tarfile.TarInfo, size: int) -> str | None:
+    """What is wrong with one member of a shard, judged from its header alone (None: nothing)."""
+    name = shown(member.name)
+    if member.issym() or member.islnk():
+        return f"has a link member {name} (shards hold only files)"
+    if member.isdir():
+        return f"has a directory member {name} (shards hold only files)"
+    if not member.isreg():
+        return f"has a member {name} that is not a regular file"
+    if member.name.startswith("/"):
+        return f"has a member with an absolute name {name}"
+    if ".." in member.name.split("/"):
+        return f"has a member name {name} that goes up with '..'"
+    if not _MEMBER.fullmatch(member.name):
+        return f"has a member {name} that is neither <key>.jpg nor <key>.cls (key: a decimal number)"
+    if member.offset_data + member.size > size:
+        return (f"is truncated: member {name} needs {member.offset_data + member.size} bytes, "
+                f"the file has {size}")
+    return None
+
+
+def _members(tar: tarfile.TarFile, where: str) -> Iterator[tarfile.TarInfo]:
+    """The members of an open shard, one header at a time; a damaged header is one sentence."""
+    it, count = iter(tar), 0
+    while True:
+        try:
+            member = next(it)
+        except StopIteration:
+            return
+        except tarfile.TarError as err:
+            raise UserError(f"shard {where} is damaged after {count} members ({err}); {_FIX}.") from None
+        count += 1
+        yield member
+
+
+def _samples_in(tar: tarfile.TarFile, where: str, size: int) -> Iterator[tuple[int, dict[str, tarfile.TarInfo]]]:
+    """Each sample of a shard in order: (key, {"jpg": member, "cls": member}), from the headers alone.
+
+    A sample is the consecutive members of one key; each must be a regular file named <key>.jpg or <key>.cls
+    inside the archive, lying wholly inside the file; both must be there, once each; a key comes once.
+    """
+    key, seen = -1, set()
+    group: dict[str, tarfile.TarInfo] = {}
+    for member in _members(tar, where):
+        problem = _member_problem(member, size)
+        if problem:
+            raise UserError(f"shard {where} {problem}; {_FIX}.")
+        stem, _, ext = member.name.partition(".")
+        k = int(stem)
+        if k != key:
+            if group:
+                yield key, _complete(where, key, group)
+            if k in seen:
+                raise UserError(f"shard {where} holds key {stem} twice (member {shown(member.name)} again after "
+                                f"other keys); {_FIX}.")
+            seen.add(k)
+            key, group = k, {}
+        if ext in group:
+            raise UserError(f"shard {where} holds member {shown(member.name)} twice; {_FIX}.")
+        group[ext] = member
+    if group:
+        yield key, _complete(where, key, group)
+
+
+def _complete(where: str, key: int, group: dict[str, tarfile.TarInfo]) -> dict[str, tarfile.TarInfo]:
+    if "cls" not in group:
+        raise UserError(f"shard {where}: image {shown(group['jpg'].name)} has no label member "
+                        f"({key:09d}.cls); {_FIX}.")
+    if "jpg" not in group:
+        raise UserError(f"shard {where}: label {shown(group['cls'].name)} has no image member "
+                        f"({key:09d}.jpg); {_FIX}.")
+    return group
+
+
+def _read(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo) -> bytes:
+    try:
+        f = tar.extractfile(member)
+        assert f is not None, "a regular file (checked by _member_problem)"
+        return f.read()
+    except (OSError, tarfile.TarError) as err:
+        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); {_FIX}.") from None
+
+
+def _label(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo, num_classes: int) -> int:
+    """The class of a <key>.cls member: a decimal number in 0..num_classes-1."""
+    text = _read(tar, where, member).strip() if member.size <= 20 else b""
+    if not text.isdigit():
+        what = f"{text!r}" if member.size <= 20 else f"{member.size} bytes"
+        raise UserError(f"shard {where}: label member {shown(member.name)} holds {what}, not a class number; "
+                        f"{_FIX}.")
+    label = int(text)
+    if label >= num_classes:
+        raise UserError(f"shard {where}: label member {shown(member.name)} holds class {label}, outside "
+                        f"0..{num_classes - 1} ({INDEX} lists {num_classes} classes); {_FIX}, or list every "
+                        f"class in {INDEX}.")
+    return label
+
+
+def _open_shard(path: Path) -> tuple[tarfile.TarFile, int]:
+    """An uncompressed tar open for reading, and its size in bytes; a file that is none is one sentence."""
+    try:
+        size = os.stat(path).st_size
+        if size == 0:
+            raise UserError(f"shard {shown(path)} is empty (0 bytes); copy it again or {_FIX}.")
+        return tarfile.open(path, "r:"), size
+    except FileNotFoundError:
+        raise UserError(f"shard {shown(path)} listed in {INDEX} is missing; copy it or {_FIX}.") from None
+    except tarfile.TarError as err:
+        raise UserError(f"shard {shown(path)} is not an uncompressed tar archive ({err}); copy it again or "
+                        f"{_FIX}.") from None
+    except OSError as err:
+        raise UserError(f"cannot read shard {shown(path)} ({err.strerror or err}); {os_error_fix(err)}.") from None
+
+
+def check_split(root: Path, split: str, entry: dict, num_classes: int) -> None:
+    """Refuse a damaged split before any training: every shard of it is an uncompressed tar whose members
+    (headers only, and each label's few bytes) are the samples index.json says, each key of 0..total-1 once.
+
+    This is a header walk, not a decode: about one 512-byte header read per member.
+    """
+    total = entry["total"]
+    owner = np.full(total, -1, dtype=np.int32)   # which shard holds each key
+    for i, shard in enumerate(entry["shards"]):
+        path = root / shard["name"]
+        tar, size = _open_shard(path)
+        count = 0
+        with tar:
+            for key, group in _samples_in(tar, shown(path), size):
+                if key >= total:
+                    raise UserError(f"shard {shown(path)} holds key {key:09d}, outside 0..{total - 1} of the {total} "
+                                    f"{split} samples in {INDEX}; {_FIX}.")
+                if owner[key] >= 0:
+                    raise UserError(f"key {key:09d} is in shard {shown(path)} and in shard "
+                                    f"{shown(root / entry['shards'][owner[key]]['name'])}; each sample must be "
+                                    f"in one shard once: {_FIX}.")
+                owner[key] = i
+                _label(tar, shown(path), group["cls"], num_classes)
+                count += 1
+        if count != shard["count"]:
+            why = "the shard is truncated or" if count < shard["count"] else "the shard has extra samples or"
+            raise UserError(f"shard {shown(path)} holds {count} samples but {INDEX} lists {shard['count']} ({why} "
+                            f"{INDEX} is wrong); {_FIX}.")
+
+
+def _read_pieces(root: Path, names: list[str], counts: list[int], pieces: list[tuple[int, int, int]],
+                 num_classes: int) -> Iterator[tuple[str, int, bytes, int]]:
+    """Step 3: (shard name, key, jpeg bytes, label) of each piece, sequentially, skipping by seek.
+
+    A shard that ends before the piece does, or is damaged in any other way, is a UserError naming it: a
+    sample is never dropped silently (check_split refuses such a shard at start-up; this catches one that
+    changed since).
+    """
     for shard, first, stop in pieces:
-        with tarfile.open(root / names[shard], "r:") as tar:
-            sample, jpg, key = -1, None, None
-            for member in tar:
-                stem, _, ext = member.name.partition(".")
-                if stem != key:
-                    key, sample = stem, sample + 1
-                    if sample >= stop:
-                        break
+        path = root / names[shard]
+        tar, size = _open_shard(path)
+        sample = -1
+        with tar:
+            for key, group in _samples_in(tar, shown(path), size):
+                sample += 1
+                if sample >= stop:
+                    break
                 if sample < first:
                     continue  # skipped by seek: tarfile does not read data we do not extract
-                f = tar.extractfile(member)
-                assert f is not None, f"{member.name}: not a regular file (pack writes only files)"
-                data = f.read()
-                if ext == "jpg":
-                    jpg = data
-                elif ext == "cls":
-                    yield int(key), jpg if jpg is not None else b"", int(data)
-                    jpg = None
+                label = _label(tar, shown(path), group["cls"], num_classes)
+                yield names[shard], key, _read(tar, shown(path), group["jpg"]), label
+        if sample + 1 < stop:
+            raise UserError(f"shard {shown(path)} holds {sample + 1} samples but {INDEX} lists {counts[shard]} "
+                            f"(it is truncated or {INDEX} is wrong); {_FIX}.")
 
 
 class _ShardStream(IterableDataset):
     """Steps 3-4 inside one loader worker."""
 
-    def __init__(self, root: Path, names: list[str], counts: list[int], *, size: int, min_scale: float,
-                 seed: int, buffer: int, rank: int, world: int, workers: int) -> None:
-        self.root, self.names, self.counts = root, names, counts
+    def __init__(self, root: Path, names: list[str], counts: list[int], *, num_classes: int, size: int,
+                 min_scale: float, seed: int, buffer: int, rank: int, world: int, workers: int) -> None:
+        self.root, self.names, self.counts, self.num_classes = root, names, counts, num_classes
         self.size, self.min_scale, self.seed, self.buffer = size, min_scale, seed, buffer
         self.rank, self.world, self.workers = rank, world, workers
         self.epoch, self.train, self.augment = 0, False, False
@@ -217,7 +445,7 @@ class _ShardStream(IterableDataset):
         """Read by the workers, which start (fork) after this call: no state is sent later."""
         self.epoch, self.train, self.augment = epoch, train, augment
 
-    def _samples(self) -> Iterator[tuple[int, bytes, int]]:
+    def _samples(self) -> Iterator[tuple[str, int, bytes, int]]:
         info = get_worker_info()
         worker = info.id if info else 0
         if self.train:
@@ -225,7 +453,7 @@ class _ShardStream(IterableDataset):
         else:
             order = list(range(len(self.counts)))
         pieces = slot_ranges(self.counts, order, self.rank, self.world, self.workers)[worker]
-        stream = _read_pieces(self.root, self.names, pieces)
+        stream = _read_pieces(self.root, self.names, self.counts, pieces, self.num_classes)
         if not self.train or self.buffer <= 1:
             yield from stream
             return
@@ -241,36 +469,44 @@ class _ShardStream(IterableDataset):
         yield from buf
 
     def __iter__(self):
+        """Chunks (x, labels, keys, corrupt names, damage): damage is "" or the sentence naming a damaged shard,
+        sent as data and raised by the main process (an exception in a loader worker would reach the user as
+        a traceback of the worker)."""
         out = torch.empty((_CHUNK, self.size, self.size, 3), dtype=torch.uint8)
         labels, corrupt, keys = [], [], []
-        for key, data, label in self._samples():
-            try:
-                jpeg.decode_crop(data, self.size, train=self.augment, min_scale=self.min_scale, seed=self.seed,
-                                 epoch=self.epoch, index=key, out=out[len(labels)])
-            except jpeg.CorruptImage:
-                corrupt.append(f"{key:09d}.jpg")
-                continue
-            labels.append(label)
-            keys.append(key)
-            if len(labels) == _CHUNK:
-                yield out.permute(0, 3, 1, 2), torch.tensor(labels), torch.tensor(keys), corrupt
-                out = torch.empty_like(out)
-                labels, corrupt, keys = [], [], []
+        damage = ""
+        try:
+            for shard, key, data, label in self._samples():
+                try:
+                    jpeg.decode_crop(data, self.size, train=self.augment, min_scale=self.min_scale, seed=self.seed,
+                                     epoch=self.epoch, index=key, out=out[len(labels)])
+                except jpeg.CorruptImage:
+                    corrupt.append(f"{shard}/{key:09d}.jpg")
+                    continue
+                labels.append(label)
+                keys.append(key)
+                if len(labels) == _CHUNK:
+                    yield out.permute(0, 3, 1, 2), torch.tensor(labels), torch.tensor(keys), corrupt, ""
+                    out = torch.empty_like(out)
+                    labels, corrupt, keys = [], [], []
+        except UserError as err:
+            damage = str(err)
         yield out[:len(labels)].permute(0, 3, 1, 2), torch.tensor(labels, dtype=torch.int64), \
-            torch.tensor(keys, dtype=torch.int64), corrupt
+            torch.tensor(keys, dtype=torch.int64), corrupt, damage
 
 
 class ShardSource:
     """A split of a shard directory, read by this rank's loader workers."""
 
-    def __init__(self, root: Path, split: dict, *, size: int, min_scale: float, seed: int, augment: bool,
-                 workers: int, on_corrupt: str, rank: int, world: int, buffer: int = 512) -> None:
+    def __init__(self, root: Path, split: dict, *, num_classes: int, size: int, min_scale: float, seed: int,
+                 augment: bool, workers: int, on_corrupt: str, rank: int, world: int, buffer: int = 512) -> None:
         names = [s["name"] for s in split["shards"]]
         counts = [int(s["count"]) for s in split["shards"]]
         self.total = int(split["total"])
+        self.rank, self.world = rank, world
         self.augment, self.workers, self.on_corrupt = augment, workers, on_corrupt
-        self.stream = _ShardStream(root, names, counts, size=size, min_scale=min_scale, seed=seed, buffer=buffer,
-                                   rank=rank, world=world, workers=workers)
+        self.stream = _ShardStream(root, names, counts, num_classes=num_classes, size=size, min_scale=min_scale,
+                                   seed=seed, buffer=buffer, rank=rank, world=world, workers=workers)
         self.corrupt: list[str] = []
         self.last_keys: list[torch.Tensor] = []  # keys of the samples of the last epoch (tests, audits)
 
@@ -279,7 +515,10 @@ class ShardSource:
 
     def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Step 4-5: batches with the sizes of `index_batches`; eval streams the whole range."""
+        """Step 4-5: batches with the sizes of `index_batches`; eval streams the whole range.
+
+        A stream that ends short (a damaged shard the workers named, or fewer samples than the steps need)
+        is a UserError, never a silently shorter epoch or evaluation."""
         self.stream.set_epoch(epoch, bool(train), bool(train and self.augment))
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers,
                             pin_memory=torch.cuda.is_available())
@@ -291,9 +530,14 @@ class ShardSource:
         sizes = iter(index_batches)
         want = None
         last = 1
-        for x, y, k, corrupt in loader:
+        streamed = skipped = 0
+        for x, y, k, corrupt, damage in loader:
+            if damage:
+                raise UserError(damage)
+            streamed += len(y)
             if corrupt:
                 self.corrupt += corrupt
+                skipped += len(corrupt)
                 if self.on_corrupt == "fail":
                     raise UserError(f"corrupt image {corrupt[0]} in the shards; re-pack from a clean ImageFolder, "
                                     f"or set data.on_corrupt=skip.")
@@ -315,6 +559,14 @@ class ShardSource:
                 yield self._cut(xs, ys, ks, want)
                 have -= want
                 want = None
+        expected = len(eval_shard(self.total, self.rank, self.world))
+        if streamed + skipped != expected:   # the workers name a short shard; this is the backstop
+            raise UserError(f"rank {self.rank} read {streamed + skipped} of its {expected} samples of the shards "
+                            f"(epoch {epoch}); a shard is shorter than {INDEX} says: {_FIX}.")
+        if train:   # every sample read, yet too few for the epoch's steps: the corrupt ones were skipped
+            raise UserError(f"rank {self.rank} ran out of training samples in epoch {epoch} after skipping {skipped} "
+                            f"corrupt images (data.on_corrupt=skip); remove them from the ImageFolder and re-pack "
+                            f"with 'largebatch data pack'.")
         if have:
             yield self._cut(xs, ys, ks, have)
 
@@ -325,6 +577,49 @@ class ShardSource:
         ks[:] = [k[n:]]
         self.last_keys.append(k[:n])
         return x[:n], y[:n]
+
+
+def check_index(index: object, root: Path) -> None:
+    """index.json's fields, as `pack` writes them: one sentence naming the first that is missing or mistyped."""
+    where = shown(root / INDEX)
+
+    def bad(field: str, want: str) -> UserError:
+        return UserError(f"{where}: {field} is missing or not {want}; re-run 'largebatch data pack' (or fix "
+                         f"{INDEX}).")
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(index, dict):
+        raise bad("the top level", "an object")
+    classes = index.get("classes")
+    if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
+        raise bad("classes", "a list of 2 or more class names")
+    splits = index.get("splits")
+    if not isinstance(splits, dict):
+        raise bad("splits", "an object with train and val")
+    for split in ("train", "val"):
+        entry = splits.get(split)
+        if not isinstance(entry, dict):
+            raise bad(f"splits.{split}", "an object with total and shards")
+        if not count(entry.get("total")) or entry["total"] == 0:
+            raise bad(f"splits.{split}.total", "a positive whole number")
+        shards = entry.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise bad(f"splits.{split}.shards", "a non-empty list")
+        for i, shard in enumerate(shards):
+            field = f"splits.{split}.shards[{i}]"
+            if not isinstance(shard, dict):
+                raise bad(field, "an object with name and count")
+            name = shard.get("name")
+            if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+                raise bad(f"{field}.name", "a file name in data.root")
+            if not count(shard.get("count")):
+                raise bad(f"{field}.count", "a whole number of samples")
+        listed = sum(shard["count"] for shard in shards)
+        if listed != entry["total"]:
+            raise UserError(f"{where}: splits.{split}.total is {entry['total']} but its shards' counts add up to "
+                            f"{listed}; re-run 'largebatch data pack' (or fix {INDEX}).")
 
 
 def build_shards(cfg, seed: int):
@@ -340,17 +635,17 @@ def build_shards(cfg, seed: int):
     except FileNotFoundError:
         raise UserError(f"{root / INDEX} is missing; create the shards with "
                         f"'largebatch data pack IMAGEFOLDER {root}'.") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:   # ValueError: not JSON, or not UTF-8
         raise UserError(f"cannot read {root / INDEX} ({err}); re-run 'largebatch data pack'.") from None
+    check_index(index, root)
+    num_classes = len(index["classes"])
     for split in ("train", "val"):
-        for s in index["splits"][split]["shards"]:
-            if not (root / s["name"]).is_file():
-                raise UserError(f"shard {root / s['name']} listed in {INDEX} is missing; copy it or re-pack.")
+        check_split(root, split, index["splits"][split], num_classes)
     dist = env_info()
-    common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
-                  on_corrupt=cfg.on_corrupt, rank=dist.rank, world=dist.world_size)
+    common = dict(num_classes=num_classes, size=cfg.image_size, min_scale=cfg.min_scale, seed=seed,
+                  workers=cfg.loader_workers, on_corrupt=cfg.on_corrupt, rank=dist.rank, world=dist.world_size)
     train = ShardSource(root, index["splits"]["train"], augment=cfg.augment, **common)
     test = ShardSource(root, index["splits"]["val"], augment=False, **common)
-    info = DatasetInfo(len(index["classes"]), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),
+    info = DatasetInfo(num_classes, 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),
                        f"shards:{root.name}")
     return train, test, info
