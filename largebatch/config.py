@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
+from largebatch import safeyaml
 from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
 from largebatch.errors import UserError
 
@@ -485,11 +486,14 @@ def load_yaml(path: Path, what: str = "recipe") -> dict:
     except OSError as err:
         raise UserError(f"cannot read {what} {path}: {err.strerror}; check the path and its permissions.") from None
     try:
-        data = yaml.load(text, Loader=YamlLoader)
+        data = safeyaml.load(text, YamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise UserError(f"{what} {path} is not valid YAML{where}; fix the syntax there.") from None
+    except safeyaml.TooLarge as err:
+        raise UserError(f"{what} {path} expands to {err}; write the values out, or remove the nested "
+                        "aliases.") from None
     if data is not None and not isinstance(data, dict):
         raise UserError(f"{what} {path} must be a YAML mapping of sections ({', '.join(SECTIONS)}), "
                         f"not a {type(data).__name__}.")
@@ -505,9 +509,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         dotted, raw = item.split("=", 1)
         section, key = dotted.split(".", 1)
         try:
-            value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
+            value = safeyaml.load(raw, YamlLoader) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except safeyaml.TooLarge as err:
+            raise UserError(f"--set {item.split('=', 1)[0]}: its value expands to {err}; write the value "
+                            "out.") from None
         if section not in SECTIONS:
             raise UserError(f"--set {dotted}: unknown section {section!r}{_suggest(section, list(SECTIONS))}; "
                             f"valid sections: {', '.join(SECTIONS)}.")

@@ -1,7 +1,8 @@
 """The import rule of docs/ARCHITECTURE.md, checked on the source (every import, function-level ones too).
 
 Layers, lowest first; a module may import its own layer and the layers below, never above:
-  0 base          errors, algorithms (the one list of names), cli (the dispatch table and shared argument helpers)
+  0 base          errors, algorithms (the one list of names), cli (the dispatch table and shared argument helpers),
+                  safeyaml (bounded YAML loading)
   1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
                   step, batches, progress, comm, perf (the model), noise_scale, scoring, ensemble, reliability
   2 trainer       trainer
@@ -19,7 +20,7 @@ import largebatch
 
 ROOT = Path(largebatch.__file__).parent
 COMMANDS = {"largebatch.commands", "largebatch.perf.calibrate", "largebatch.__main__"}
-BASE = {"largebatch", "largebatch.errors", "largebatch.cli", "largebatch.algorithms"}
+BASE = {"largebatch", "largebatch.errors", "largebatch.cli", "largebatch.algorithms", "largebatch.safeyaml"}
 
 
 def _module(path: Path) -> str:
@@ -77,7 +78,7 @@ def test_comm_imports_only_itself_errors_and_the_names():
 
 def test_the_performance_model_does_not_import_the_runtime():
     allowed = {"largebatch.perf", "largebatch.errors", "largebatch.algorithms", "largebatch.models", "largebatch.comm.pipeline",
-               "largebatch.comm.topology"}
+               "largebatch.comm.topology", "largebatch.safeyaml"}
     bad = [(m, d) for m, deps in GRAPH.items()
            if _within(m, {"largebatch.perf"}) and not _within(m, COMMANDS) for d in deps if not _within(d, allowed)]
     assert not bad, bad

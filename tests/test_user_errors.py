@@ -766,3 +766,44 @@ def test_help_texts_name_no_module_paths(capsys):
         if command in ("study batch-control", "study ensemble"):
             other = "ensemble (Codreanu" if command == "study batch-control" else "batch-control (Sony"
             assert other not in " ".join(out.split()), out
+
+
+# ------------------------------------------------------------------ a recipe that expands without bound
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
+model: {name: *i}
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_recipe_of_nested_aliases_is_refused_before_it_expands(tmp_path, cli):
+    recipe = tmp_path / "laughs.yaml"
+    recipe.write_text(BILLION_LAUGHS)   # 10^9 values if built
+    proc = cli("train", recipe, "--dry-run", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"recipe {recipe} expands to more than 100,000 values through its aliases" in proc.stderr
+    (tmp_path / "loop.yaml").write_text("model: &m {name: resnet18, more: *m}\n")
+    proc = cli("train", tmp_path / "loop.yaml", "--dry-run", timeout=60)
+    assert proc.returncode == 2 and "an alias that refers to itself" in proc.stderr, proc.stderr[-2000:]
+    proc = cli("train", "fashion_mnist", "--dry-run", "--set", "model.x=[&a [1,1,1,1,1,1,1,1,1,1], "
+               + ", ".join(["*a"] * 10) + "]", timeout=60)
+    assert proc.returncode == 2   # small expansions load as before (and the unknown key is then refused)
+    assert "expands" not in proc.stderr and "model.x" in proc.stderr
+
+
+def test_safeyaml_counts_shared_nodes_once_per_use():
+    from largebatch import safeyaml
+
+    assert safeyaml.load("a: &x [1, 2]\nb: [*x, *x]\n") == {"a": [1, 2], "b": [[1, 2], [1, 2]]}
+    with pytest.raises(safeyaml.TooLarge):
+        safeyaml.load("a: &x [1, 2, 3]\nb: [*x, *x, *x]\n", limit=19)
+    # the mapping, its keys a and b, a's list of 3, b's list of three of them: 1 + 1 + 4 + 1 + 13 = 20 values
+    assert safeyaml.load("a: &x [1, 2, 3]\nb: [*x, *x, *x]\n", limit=20) is not None

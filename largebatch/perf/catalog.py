@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from largebatch import safeyaml
 from largebatch.errors import UserError
 
 PACKAGE_CATALOG = Path(__file__).with_name("catalog.yaml")
@@ -84,9 +85,11 @@ def read_user_catalog(path: Path) -> dict[str, dict[str, Any]]:
         return {}
     fix = "fix or delete it (largebatch plan --calibrate writes it anew)"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = safeyaml.load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError):
         raise UserError(f"the measured catalog {path} is not valid YAML; {fix}.") from None
+    except safeyaml.TooLarge as err:
+        raise UserError(f"the measured catalog {path} expands to {err}; {fix}.") from None
     if not isinstance(data, dict):
         raise UserError(f"the measured catalog {path} is a {type(data).__name__}, not a mapping of sections; {fix}.")
     for section, entries in data.items():
