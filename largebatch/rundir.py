@@ -160,9 +160,9 @@ def _holder(lock_path: Path) -> str:
     return ""
 
 
-def _in_use(path: Path) -> UserError:
-    return UserError(f"run directory {path} is in use by another largebatch process{_holder(path / LOCK)}; wait "
-                     "for it to finish or stop it, or give another --run-dir.")
+def _in_use(path: Path, what: str = "run directory", flag: str = "--run-dir") -> UserError:
+    return UserError(f"{what} {path} is in use by another largebatch process{_holder(path / LOCK)}; wait "
+                     f"for it to finish or stop it, or give another {flag}.")
 
 
 def in_use(path: Path) -> bool:
@@ -213,22 +213,31 @@ def claim(path: Path, resume: bool) -> Claim:
     except OSError as exc:
         raise UserError(f"cannot create run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
             from None
+    held = lock(path)
+    try:
+        _refuse_reasons(path, resume)   # again under the lock: a run that finished a moment ago counts
+    except UserError:
+        held.release()
+        raise
+    return held
+
+
+def lock(path: Path, what: str = "run directory", flag: str = "--run-dir") -> Claim:
+    """Step 3's lock alone, on an existing directory (also a study's --out, `what` and `flag` naming it in the
+    refusal): ``path/.largebatch.lock`` opened with O_NOFOLLOW, flocked, our pid and host written inside."""
     try:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise UserError(f"cannot write in run directory {path}: {exc.strerror}; give a --run-dir you can write to.") \
+        if exc.errno == errno.ELOOP:
+            raise UserError(link_sentence(path / LOCK)) from None
+        raise UserError(f"cannot write in {what} {path}: {exc.strerror}; give a {flag} you can write to.") \
             from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise _in_use(path) from None
-        raise
-    try:
-        _refuse_reasons(path, resume)   # again under the lock: a run that finished a moment ago counts
-    except UserError:
-        os.close(fd)
+            raise _in_use(path, what, flag) from None
         raise
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
