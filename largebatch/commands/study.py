@@ -16,7 +16,18 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
    grid's time.
 4. After every cell write OUT/study.json (all cells, each with its exact `largebatch train` command),
    OUT/study.md (top-1 mean and spread per batch x optimizer (x lr), and the final training loss) and
-   OUT/study.png (top-1 vs global batch, error bars over seeds, the ImageNet-equivalent batch on top).
+   OUT/study.png (top-1 vs global batch, error bars over seeds, the ImageNet-equivalent batch on top),
+   each written whole or not at all (written to a temporary file, then renamed).
+5. The study directory (`take_out`) belongs to one study process at a time, as a run directory does: the study
+   holds `fcntl.flock` on OUT/.largebatch.lock from its start to its end, and a second study on it is refused
+   naming the holder. A study takes an empty or new directory, or one its study_settings.json marks as a study's;
+   a directory that holds a training run or other files (a user's own study.md) is refused. SIGTERM and SIGINT
+   (`Stop`) are forwarded to the running cell's launcher and its workers (a process group of their own), which
+   stop at the next step with a checkpoint; the study waits for them, records the cell as interrupted (not
+   failed) and exits 128 + the signal; run again, it resumes that cell.
+6. Files a user can edit or damage are checked before any cell trains, each refused in one sentence naming the
+   file: OUT/study.json (`earlier_machines`), every planned cell's summary.json (`read_summary`), a
+   --from-tuning study.json's table (`_tuning_rows`).
 
 Tuning without the test set, in two studies:
 - tuning: `--lr-grid OPT:V1,V2,...` (per optimizer, repeatable) adds an lr axis to the cells and
@@ -30,10 +41,12 @@ Tuning without the test set, in two studies:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -161,7 +174,26 @@ def _tuning_rows(tuning_json: Path) -> tuple[dict, list[tuple[int, str, float, f
     except (KeyError, TypeError, AttributeError):
         raise UserError(f"--from-tuning: {tuning_json} has a table row without batch, optimizer or top1_mean; give "
                         "the --out of a finished tuning study.") from None
+    for key, (batch, opt, top1, lr) in zip(data["table"], rows):
+        bad = next(((name, value, want) for name, value, ok, want in (
+            ("batch", batch, _is_int(batch) and batch >= 1, "a positive whole number"),
+            ("optimizer", opt, isinstance(opt, str), "an optimizer's name"),
+            ("top1_mean", top1, _is_number(top1) and 0 <= top1 <= 1, "a top-1 between 0 and 1"),
+            ("lr", lr, lr is None or (_is_number(lr) and lr > 0), "a positive number or null")) if not ok), None)
+        if bad:
+            raise UserError(f"--from-tuning: {tuning_json} has {bad[0]} {bad[1]!r} in its table row {key!r}, not "
+                            f"{bad[2]}; restore that study.json from the tuning study's cells, or give the --out of "
+                            "another tuning study.")
     return data, rows
+
+
+def _is_number(value: object) -> bool:
+    """A finite JSON number (bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _best(rows) -> dict[tuple[int, str], float | None]:
@@ -399,8 +431,24 @@ def plot(table: dict, optimizers: list[str], path: Path, train_size: int | None 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path: Path) -> None:
+    """A figure as PNG, written whole or not at all."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_file(path, buf.getvalue())
+
+
+def write_file(path: Path, data: str | bytes) -> None:
+    """Step 4: one of the study's files, written whole or not at all (a kill or a full disk leaves the old one)."""
+    from largebatch.checkpoint import atomic_write
+
+    atomic_write(path, data.encode() if isinstance(data, str) else data)
 
 
 def _check_cells(args, pairs: list[tuple[int, str]]) -> int:
@@ -485,11 +533,23 @@ def earlier_machines(out: Path) -> dict[str, str]:
     """Each finished cell's machine as OUT/study.json gave it before this run of the study rewrites it: a cell
     finished before summary.json named its machine has the one that ran the study then (each study.json is
     written after every cell by the machine running the study)."""
-    try:
-        earlier = json.loads((out / "study.json").read_text())
-    except (OSError, ValueError):
+    path = out / "study.json"
+    if not path.exists():
         return {}
-    return {c["run_dir"]: name for c in earlier.get("cells", [])
+    fix = ("move it away (the study writes it anew from its cells' summary.json files), or restore it, or use "
+           "another --out")
+    try:
+        earlier = json.loads(path.read_bytes())
+    except (OSError, ValueError):   # unreadable, not UTF-8, not JSON (e.g. cut short)
+        raise UserError(f"{path} is not readable JSON (cut short or edited?); {fix}.") from None
+    cells = earlier.get("cells", []) if isinstance(earlier, dict) else None
+    if not isinstance(cells, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("run_dir", ""), str)
+            and isinstance(c.get("machine") or "", str) and (c.get("top1") is None or _is_number(c["top1"]))
+            for c in cells) or not isinstance(earlier.get("machine") or "", str):
+        raise UserError(f"{path} is not a study's study.json (its cells are not a list of cells with run_dir, top1 "
+                        f"and machine); {fix}.")
+    return {c["run_dir"]: name for c in cells
             if c.get("top1") is not None and "run_dir" in c and (name := c.get("machine") or earlier.get("machine"))}
 
 
@@ -519,28 +579,147 @@ def write_outputs(out: Path, meta: dict, cells: list[dict], batches: list[int], 
     batches = sorted(batches)
     split = "validation" if meta.get("val_split") else "test"
     verdicts = claims(table)
-    (out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table, "claims": verdicts},
-                                               indent=2))
+    write_file(out / "study.json", json.dumps({**meta, "cells": cells, "table": table, "claims": verdicts}, indent=2))
     md = (f"Command: `{meta['command']}`\n\nEpochs per cell: {meta['epochs']}, seeds: {meta['seeds']}, "
           f"workers per cell: {meta['nproc_per_node']}, evaluated on the {split} set, {machines(cells)}, "
           f"machine time of the finished cells: {machine_time(cells)}\n\n" + markdown(table, batches, optimizers, split)
           + claims_markdown(verdicts, split))
-    (out / "study.md").write_text(md)
+    write_file(out / "study.md", md)
     if table:
         plot(table, optimizers, out / "study.png", meta.get("train_size"), split)
     return table
 
 
+SETTINGS = "study_settings.json"   # step 5: the file that marks a directory as a study's
+STUDY_FILES = (SETTINGS, "study.json", "study.md", "study.png", rundir.LOCK)
+
+
+def check_out(out: Path) -> None:
+    """Step 5: refuse a --out that is not the study's to take, in one sentence naming the fix: a system or home
+    directory, a file, a directory that holds a training run, and one of other files (a user's own study.md,
+    a project) that no study_settings.json marks as a study's; a caller's *.log is no obstacle."""
+    check_output_path("--out", out, directory=True)
+    refuse_system(out, "--out")
+    if not out.is_dir():
+        return
+    if rundir.holds_run(out):
+        found = ", ".join(n for n in rundir.RUN_FILES if (out / n).exists()) or "checkpoints or snapshots"
+        raise UserError(f"--out {out} holds a training run ({found}); give the study a directory of its own, e.g. "
+                        "runs/study-NAME.")
+    if (out / SETTINGS).is_file() and not (out / SETTINGS).is_symlink():
+        return   # a study's: continued; files of others in it are left alone
+    with os.scandir(out) as entries:
+        foreign = sorted(e.name for e in entries if e.name != rundir.LOCK
+                         and not (Path(e.name).match(rundir.CALLER_LOGS) and e.is_file(follow_symlinks=False)))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"--out {out} holds files that are not a largebatch study's ({shown}) and no {SETTINGS}; "
+                        "give a new or empty --out, so that the study neither mixes its files with them nor writes "
+                        "over them.")
+
+
+def take_out(out: Path, dry_run: bool):
+    """Step 5: check --out, then (not in a dry run) create it and hold its lock until the study ends; the
+    rundir.Claim, None in a dry run."""
+    check_out(out)
+    if dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
+        return None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create study directory {out}: {exc.strerror}; give an --out you can write to.") \
+            from None
+    held = rundir.lock(out, "study directory", "--out")
+    try:
+        check_out(out)   # again under the lock: a study that ended a moment ago may have written it
+    except UserError:
+        held.release()
+        raise
+    return held
+
+
+def read_summary(path: Path) -> dict:
+    """Step 6: a finished cell's summary.json, its numbers checked; damaged or edited is one sentence."""
+    fix = ("restore it, or move it away and run the study again (the cell resumes from its newest checkpoint); "
+           "the study has not started a cell")
+    try:
+        summ = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        raise UserError(f"{path} is not readable JSON (cut short or edited?); {fix}.") from None
+    if not isinstance(summ, dict):
+        raise UserError(f"{path} is not a run's summary (a JSON {type(summ).__name__}); {fix}.")
+    need = {"final_top1": "a top-1 between 0 and 1", "final_top5": "a top-5 between 0 and 1",
+            "final_loss": "a number", "steps": "a whole number of steps", "wall_s": "seconds", "epochs": "epochs"}
+    optional = ("ensemble_top1", "best_snapshot_top1", "ensemble_gain", "swa_top1")
+    for key in (*need, *optional):
+        if key not in need and key not in summ:
+            continue
+        value: Any = summ.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)   # a loss may be inf or nan
+        if ok and key in ("final_top1", "final_top5"):
+            ok = _is_number(value) and 0 <= value <= 1
+        elif ok and key == "steps":
+            ok = _is_int(value) and value >= 0
+        if not ok:
+            raise UserError(f"{path} has {key} {value!r}, not {need.get(key, 'a number')}; {fix}.")
+    if not isinstance(summ.get("machine") or "", str):
+        raise UserError(f"{path} has machine {summ['machine']!r}, not a machine's name; {fix}.")
+    return summ
+
+
+class Stop:
+    """Step 5: SIGTERM and SIGINT to the study set `signum` and are forwarded to the running cell's process group
+    (its launcher and workers, started in a session of their own), which stops at the next step with a checkpoint."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.group: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self.forward()
+
+    def forward(self) -> None:
+        if self.group is not None and self.signum is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, self.signum)
+
+
+def check_files(out: Path, cell_dirs: list[Path]) -> dict[str, str]:
+    """Step 6: OUT/study.json and every planned cell's summary.json are readable and of their shape (one sentence
+    naming the file otherwise); the earlier machines of OUT/study.json (`earlier_machines`)."""
+    earlier = earlier_machines(out)
+    for run_dir in cell_dirs:
+        if (run_dir / "summary.json").exists():
+            read_summary(run_dir / "summary.json")
+    return earlier
+
+
+def stopped(out: Path, signum: int, console, held) -> int:
+    """Step 5: the study was signalled; its files are written, the interrupted cell resumes on the next run."""
+    console.print(f"study: stopped by signal {signum}; run the same command again to continue (finished cells are "
+                  f"kept, the interrupted one resumes from its checkpoint); results so far in {out / 'study.json'}")
+    if held is not None:
+        held.release()
+    return 128 + signum
+
+
 def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, console,
-             earlier: dict[str, str] | None = None) -> dict:
+             earlier: dict[str, str] | None = None, stop: Stop | None = None) -> dict:
     """Step 3 for one cell: train it unless its summary exists (resume it if it holds a run), then its record:
     the exact command, and from its summary top-1/top-5, losses, steps, wall time, machine (`earlier`'s for a
-    summary without one) and ensemble figures."""
+    summary without one) and ensemble figures. With `stop`, a signal to the study stops the cell (step 5): its
+    record says interrupted."""
     summary_path = run_dir / "summary.json"
     diverged_path = run_dir / DIVERGED
     argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
             *[x for kv in sets for x in ("--set", kv)]]
     command = " ".join(shlex.quote(c) for c in ["largebatch", *argv])
+    interrupted = False
     if not summary_path.exists() and not diverged_path.exists():
         resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
         console.print(f"[bold]study[/] cell {position}: {label}{' (resuming)' if resume else ''}")
@@ -551,10 +730,24 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
             with open(run_dir / "train.log", "a") as log:
-                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+                # a session of its own: a signal to the study reaches the cell only through `stop` (step 5)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+                                        start_new_session=stop is not None)
+                if stop is not None:
+                    stop.group = proc.pid
+                    stop.forward()   # a signal that came before the group was known
+                try:
+                    proc.wait()
+                finally:
+                    if stop is not None:
+                        stop.group = None
             diverged = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines()
                         if "training diverged" in line]
-            if proc.returncode == 2 and diverged:   # a result, not a failure: this lr is too large here
+            if stop is not None and stop.signum is not None and not summary_path.exists():
+                interrupted = True
+                console.print(f"study: cell {label} stopped by signal {stop.signum} with a checkpoint; it resumes "
+                              "when the study is run again")
+            elif proc.returncode == 2 and diverged:   # a result, not a failure: this lr is too large here
                 diverged_path.write_text(diverged[-1] + "\n")
                 console.print(f"study: {label} diverged")
             elif proc.returncode != 0:
@@ -564,8 +757,10 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
     cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None,
                             "diverged": diverged_path.exists() and not summary_path.exists(),
                             "command": command}
+    if interrupted:
+        cell["interrupted"] = True
     if summary_path.exists():
-        summ = json.loads(summary_path.read_text())
+        summ = read_summary(summary_path)
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
                      "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
                      "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir),
@@ -601,22 +796,20 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    check_output_path("--out", args.out, directory=True)
-    if args.out:
-        refuse_system(Path(args.out), "--out")   # no system directory, nor the home directory
-    if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
-        args.out.mkdir(parents=True, exist_ok=True)
+    held = take_out(args.out, args.dry_run)
     settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
                 "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
                 "lr_grid": args.lr_grid, "val_split": args.val_split,
                 "from_tuning": ", ".join(map(str, args.from_tuning)) or None}
-    stored = args.out / "study_settings.json"
+    stored = args.out / SETTINGS
     if stored.exists() and not same_study(stored_settings(stored), settings, optimizers):
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
                         "add values), or use another --out.")
+    cell_dirs = [_cell_dir(args.out, b, o, s, lr) for b, o, lr, s in plan]
+    earlier = check_files(args.out, cell_dirs)   # step 6: before any cell trains (and before anything is written)
     if not args.dry_run:
-        stored.write_text(json.dumps(settings, indent=2))
+        write_file(stored, json.dumps(settings, indent=2))
     from largebatch.commands.bench import machine
     import torch
 
@@ -625,17 +818,22 @@ def main(argv: list[str]) -> int:
             "machine": machine(torch.device("cpu"))}
 
     cells: list[dict] = []
-    earlier = earlier_machines(args.out)
-    for i, (b, o, lr, s) in enumerate(plan):
-        run_dir = _cell_dir(args.out, b, o, s, lr)
+    stop = None if args.dry_run else Stop()
+    if stop is not None:
+        stop.install()
+    for i, ((b, o, lr, s), run_dir) in enumerate(zip(plan, cell_dirs)):
+        if stop is not None and stop.signum is not None:
+            break
         label = f"{o} batch {b}{'' if lr is None else f' lr {lr:g}'} seed {s}"
         cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
                 **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console,
-                         earlier)}
+                         earlier, stop)}
         cells.append(cell)
         if not args.dry_run:
             write_outputs(args.out, meta, cells, batches, optimizers)
     table = summarise(cells) if args.dry_run else write_outputs(args.out, meta, cells, batches, optimizers)
+    if stop is not None and stop.signum is not None:
+        return stopped(args.out, stop.signum, console, held)
     console.print(markdown(table, sorted(batches), optimizers))
     if args.dry_run:
         console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
@@ -644,4 +842,6 @@ def main(argv: list[str]) -> int:
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
                   f"{f', {diverged} diverged' if diverged else ''} in {machine_time(cells)} of training; results in "
                   f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
+    if held is not None:
+        held.release()
     return 0

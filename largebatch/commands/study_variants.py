@@ -9,7 +9,8 @@ over seeds, each a table of its own.
   best snapshot, and at least equal to the single model.
 
 Cells run as in `study batch-scaling` (`study.run_cell`): each a `largebatch train` of its own, resumable, its
-exact command in OUT/study.json; OUT/study.md holds the table (mean ± sample std over seeds), OUT/study.png the
+exact command in OUT/study.json; the study directory is the study's alone, checked, locked and written whole, and
+SIGTERM/SIGINT stop the running cell resumably, as in `study batch-scaling` (its steps 4-6); OUT/study.md holds the table (mean ± sample std over seeds), OUT/study.png the
 bars and each variant's training loss against epoch. Tuned as the batch-scaling study is, never on the test set:
 - tuning: `--val-split N --lr-grid A,B,C` runs every variant at every optim.lr of the grid (an equal budget per
   variant) and evaluates on N held-out training images; each variant's chosen lr is its best mean there;
@@ -22,8 +23,7 @@ import math
 from pathlib import Path
 
 from largebatch.commands import study
-from largebatch.cli import ArgumentParser, check_numbers, check_output_path
-from largebatch.rundir import refuse_system
+from largebatch.cli import ArgumentParser, check_numbers
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 
@@ -100,6 +100,11 @@ def chosen_lrs(kind: str, tuning_out: Path) -> dict[str, float | None]:
         raise UserError(f"--from-tuning: {path} is not a {kind} study run with --val-split (its choices must not have "
                         "seen the test set); tune with --val-split N --lr-grid ... first.")
     chosen = {name: row.get("lr") for name, row in data["table"].items() if name != "verdict" and isinstance(row, dict)}
+    for name, lr in chosen.items():
+        if lr is not None and not (study._is_number(lr) and lr > 0):
+            raise UserError(f"--from-tuning: {path} has lr {lr!r} for variant {name!r}, not a positive number or null; "
+                            "restore that study.json from the tuning study's cells, or give the --out of another "
+                            "tuning study.")
     if not chosen:
         raise UserError(f"--from-tuning: {path} has no finished cell yet; finish the tuning study first.")
     return chosen
@@ -234,7 +239,7 @@ def plot(table: dict, path: Path, split: str, curves: dict | None = None) -> Non
         lx.grid(alpha=0.3)
         lx.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    study.save_figure(fig, path)
     plt.close(fig)
 
 
@@ -275,18 +280,18 @@ def run(kind: str, argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    check_output_path("--out", args.out, directory=True)
-    if args.out:
-        refuse_system(Path(args.out), "--out")   # no system directory, nor the home directory
-    if not args.dry_run:   # a dry run writes nothing: it only lists the cells and checks the settings
-        args.out.mkdir(parents=True, exist_ok=True)
+    held = study.take_out(args.out, args.dry_run)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
-    stored = args.out / "study_settings.json"
+    stored = args.out / study.SETTINGS
     if stored.exists() and study.stored_settings(stored) != settings:
         raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
                         "arguments, or use another --out.")
+    order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
+    cell_dirs = [args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
+                 for name, lr, s in order]
+    earlier = study.check_files(args.out, cell_dirs)   # before any cell trains (and before anything is written)
     if not args.dry_run:
-        stored.write_text(json.dumps(settings, indent=2))
+        study.write_file(stored, json.dumps(settings, indent=2))
     import torch
 
     from largebatch.commands.bench import machine
@@ -295,32 +300,38 @@ def run(kind: str, argv: list[str]) -> int:
     meta = {"command": f"largebatch study {kind} " + " ".join(argv), "kind": kind, **settings,
             "machine": machine(torch.device("cpu")), "split": split}
     cells: list[dict] = []
-    earlier = study.earlier_machines(args.out)
-    order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
-    for i, (name, lr, s) in enumerate(order):
-        run_dir = args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
+    stop = None if args.dry_run else study.Stop()
+    if stop is not None:
+        stop.install()
+    for i, ((name, lr, s), run_dir) in enumerate(zip(order, cell_dirs)):
+        if stop is not None and stop.signum is not None:
+            break
         label = f"{name}{'' if lr is None else f' lr {lr:g}'} seed {s}"
         cell = {"variant": name, "lr": lr, "seed": s,
                 **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console,
-                                 earlier)}
+                                 earlier, stop)}
         cells.append(cell)
         if args.dry_run:
             continue
         table = summarise(kind, cells)
-        (args.out / "study.json").write_text(json.dumps({**meta, "cells": cells, "table": table}, indent=2))
+        study.write_file(args.out / "study.json", json.dumps({**meta, "cells": cells, "table": table}, indent=2))
         machines = study.machines(cells)   # not str.capitalize(): it lowercases the CPU's name
-        (args.out / "study.md").write_text(f"Command: `{meta['command']}`\n\n{machines[:1].upper() + machines[1:]}; machine time "
-                                           f"of the finished cells: {study.machine_time(cells)}\n\n"
-                                           + markdown(kind, table, split))
+        study.write_file(args.out / "study.md", f"Command: `{meta['command']}`\n\n{machines[:1].upper() + machines[1:]}; "
+                         f"machine time of the finished cells: {study.machine_time(cells)}\n\n"
+                         + markdown(kind, table, split))
         if any(n != "verdict" for n in table):
             plot(table, args.out / "study.png", split, loss_curves(table, cells))
     console.print(markdown(kind, summarise(kind, cells), split))
     if args.dry_run:
         console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
         return 0
+    if stop is not None and stop.signum is not None:
+        return study.stopped(args.out, stop.signum, console, held)
     console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done in "
                   f"{study.machine_time(cells)} of training; results in "
                   f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
+    if held is not None:
+        held.release()
     return 0
 
 
