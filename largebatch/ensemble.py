@@ -7,7 +7,9 @@ this module holds what happens to the weights:
 1. Train the base schedule; its last `collapse_epochs` are a collapse (augmentation off,
    weight decay x `collapse_wd_factor`, lr poly-2 to zero). Save snapshot 1 at its end.
 2. K cycles: re-warm-up to `cycle_lr_factor` x the peak lr, poly-2 decay, collapse, snapshot.
-   All snapshots are kept in RUN_DIR/snapshots (checkpoint.save: atomic, checksummed).
+   All snapshots are kept in RUN_DIR/snapshots (checkpoint.save: atomic, checksummed). A file there that is
+   not a snapshot of this run's model (a foreign or malicious file, loaded with weights_only=True: no code
+   runs) is one sentence naming it, before any evaluation (`load_states`, `evaluate_run`).
 3. Evaluation with `largebatch.scoring` (each rank its contiguous shard of the test set, every
    image exactly once): for every snapshot, the softmax of its logits on the rank's shard;
    per-snapshot top-1/top-5/NLL, and the ensemble's from the running average of the softmax
@@ -39,8 +41,20 @@ def save_snapshot(model: nn.Module, run_dir: Path, step: int, epoch: float) -> P
 
 
 def list_snapshots(run_dir: Path) -> list[tuple[Path, dict]]:
-    """Intact snapshots of a run, oldest first (a corrupt one is left out)."""
-    return sorted(checkpoint.all_intact(Path(run_dir) / SNAPSHOT_DIR), key=lambda pm: pm[1]["step"])
+    """Intact snapshots of a run, oldest first (a corrupt one is left out; one whose metadata has no step is
+    `foreign`)."""
+    found = checkpoint.all_intact(Path(run_dir) / SNAPSHOT_DIR)
+    for path, meta in found:
+        step = meta.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise foreign(path, f"its metadata has step {step!r}")
+    return sorted(found, key=lambda pm: pm[1]["step"])
+
+
+def foreign(path: Path, why: str) -> UserError:
+    """A file in snapshots/ that is not a snapshot of this run's model, in one sentence."""
+    return UserError(f"snapshot {path} is not a largebatch snapshot of this run ({why}); move it and its .json out "
+                     f"of {path.parent}, then evaluate again.")
 
 
 def set_weight_decay(optimizer: torch.optim.Optimizer, base: list[float], factor: float) -> None:
@@ -152,10 +166,25 @@ def bn_batches(train_size: int, rank: int, world_size: int, micro_batch: int, se
     return list(mine.split(max(micro_batch, 1)))
 
 
-def load_states(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(model state dicts, metadata) of a run's intact snapshots, oldest first."""
+def load_states(run_dir: Path, model: nn.Module | None = None) -> tuple[list[dict], list[dict]]:
+    """(model state dicts, metadata) of a run's intact snapshots, oldest first. Loaded with weights_only=True; a
+    file that torch cannot load so, holds no model state, or (given `model`) does not fit `model` is `foreign`."""
     found = list_snapshots(run_dir)
-    return [checkpoint.load(p)["model"] for p, _ in found], [m for _, m in found]
+    probe = copy.deepcopy(model) if model is not None else None
+    states = []
+    for path, _ in found:
+        try:
+            state = checkpoint.load(path)
+        except Exception as err:   # noqa: BLE001 - intact by its metadata, yet no weights-only torch file
+            raise foreign(path, f"torch.load failed: {' '.join(str(err).split())[:120] or type(err).__name__}") \
+                from None
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise foreign(path, "no model state in it")
+        if probe is not None:
+            checkpoint.restore(probe, state["model"], "run's model", path,
+                               f"move it and its .json out of {path.parent}, then evaluate again.")
+        states.append(state["model"])
+    return states, [m for _, m in found]
 
 
 def report(result: dict, metas: list[dict]) -> dict:
@@ -177,7 +206,7 @@ def evaluate_run(model: nn.Module, run_dir: Path, train_source, test_source, inf
     """A run's snapshots, their softmax-average ensemble (and SWA, BN recomputed on training batches of
     `bn_batch` images), evaluated in batches of `batch` (with `flip`: over each image and its mirror): (the `report` record, the number of snapshots). All
     ranks call it."""
-    states, metas = load_states(run_dir)
+    states, metas = load_states(run_dir, model)
     swa_batches = bn_batches(len(train_source), info.rank, info.world_size, bn_batch, seed) if swa else None
     result = evaluate_snapshots(model, states, test_source, info.rank, info.world_size, device, precision=precision,
                                 channels_last=channels_last, flip=flip, batch=batch,

@@ -2,7 +2,9 @@
 check that it survives: it completes, every checkpoint on disk loads, and the final top-1 matches
 an uninterrupted run with the same seed.
 
-1. Baseline: the same recipe and overrides, uninterrupted, 2 workers (or reuse --baseline-dir).
+1. Baseline: the same recipe and overrides, uninterrupted, 2 workers (or reuse --baseline-dir, checked before
+   any work: its summary.json readable with a top-1 (`baseline_summary`), its config.yaml that of this recipe and
+   these overrides on 2 workers, logging and checkpoint keys aside (`baseline_differs`)).
 2. Chaos run: `largebatch train --nproc-per-node 2 --max-restarts K` with metrics every step.
 3. Kills: N times, wait until the (restarted) group is training again and has completed one new
    checkpoint (so that the run progresses however fast the kills come), then SIGKILL one worker:
@@ -158,6 +160,50 @@ def check_checkpoints(ckpt_dir: Path) -> tuple[int, list[str]]:
     return len(metas), bad
 
 
+# Keys a baseline may set otherwise: they change what is logged or kept, never the trained weights.
+NOT_COMPARED = {"recipe", "train.log_every", "train.plots", "train.tensorboard", "train.checkpoint_every",
+                "train.keep_checkpoints", "train.threads", "data.loader_workers", "comm.timeout_s"}
+
+
+def baseline_summary(base_dir: Path) -> dict:
+    """Step 1: the baseline's summary.json, one sentence naming it when it is damaged or edited."""
+    path = base_dir / "summary.json"
+    fix = "give the run directory of a finished uninterrupted run, or drop --baseline-dir to run one"
+    try:
+        summ = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        raise UserError(f"--baseline-dir: {path} is not readable JSON (cut short or edited?); {fix}.") from None
+    top1 = summ.get("final_top1") if isinstance(summ, dict) else None
+    if not isinstance(top1, (int, float)) or isinstance(top1, bool) or not 0 <= top1 <= 1:
+        raise UserError(f"--baseline-dir: {path} has final_top1 {top1!r}, not a top-1 between 0 and 1; {fix}.")
+    return summ
+
+
+def baseline_differs(cfg, base_dir: Path) -> list[str]:
+    """Step 1: the keys (`section.key ours vs theirs`) in which the baseline's config.yaml differs from `cfg`,
+    and its world size when it is not 2; `NOT_COMPARED` aside."""
+    import dataclasses
+
+    from largebatch.commands.evaluate import load_run_config
+
+    theirs = dataclasses.asdict(load_run_config(base_dir))
+    ours = dataclasses.asdict(cfg)
+    out = []
+    for section, values in ours.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            other = (theirs.get(section) or {}).get(key)
+            if f"{section}.{key}" not in NOT_COMPARED and other != value:
+                out.append(f"{section}.{key} {value!r} vs {other!r}")
+    summary = base_dir / "summary.json"
+    if summary.exists():
+        world = baseline_summary(base_dir).get("world_size")
+        if world not in (None, 2):
+            out.append(f"2 workers vs {world}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.kills < 1:
@@ -181,6 +227,15 @@ def main(argv: list[str]) -> int:
         if not (args.baseline_dir / "summary.json").exists() and not rundir.in_use(args.baseline_dir):
             raise UserError(f"--baseline-dir {args.baseline_dir} has no summary.json and no run is writing it; "
                             "finish it with largebatch train --resume, or drop --baseline-dir to run one.")
+        if (args.baseline_dir / "summary.json").exists():
+            baseline_summary(args.baseline_dir)
+        differ = baseline_differs(config_mod.load(args.recipe, [*args.overrides, "train.log_every=1",
+                                                                 "train.plots=false"]), args.baseline_dir)
+        if differ:
+            shown = "; ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+            raise UserError(f"--baseline-dir {args.baseline_dir} is a run of other settings than this chaos run "
+                            f"(this run vs the baseline: {shown}); give a baseline of the same recipe and --set "
+                            "options, or drop --baseline-dir to run one.")
     for sub in ("chaos", "baseline"):
         if rundir.holds_run(args.out / sub) and not (sub == "baseline" and args.baseline_dir is not None):
             raise UserError(f"--out {args.out} already holds a chaos run ({args.out / sub}); give a fresh --out.")
@@ -238,7 +293,7 @@ def main(argv: list[str]) -> int:
         time.sleep(5)   # a baseline started alongside this command is still running (it holds its lock)
     if not (base_dir / "summary.json").exists():
         raise UserError(f"the baseline run {base_dir} has no summary.json; let it finish or drop --baseline-dir.")
-    base = json.loads((base_dir / "summary.json").read_text())
+    base = baseline_summary(base_dir)
     checked, bad = check_checkpoints(ckpt_dir)
     summary_path = run_dir / "summary.json"
     chaos = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -252,7 +307,7 @@ def main(argv: list[str]) -> int:
         "corrupt_checkpoint_reports": (args.out / "chaos.log").read_text().count("is corrupt or truncated"),
         "resumes_from_checkpoint": (args.out / "chaos.log").read_text().count("largebatch: resumed from"),
         "final_top1": chaos.get("final_top1"), "baseline_top1": base["final_top1"], "top1_diff_points": diff,
-        "steps": chaos.get("steps"), "baseline_steps": base["steps"], "wall_s": round(wall, 1),
+        "steps": chaos.get("steps"), "baseline_steps": base.get("steps"), "wall_s": round(wall, 1),
         "baseline_wall_s": base.get("wall_s"), "kill_log": kills,
         "command": "largebatch chaos " + " ".join(argv),
     }
