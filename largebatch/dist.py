@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from largebatch.errors import UserError, env_int
 
 
 @dataclass(frozen=True)
@@ -38,22 +41,42 @@ class DistInfo:
         return self.world_size > 1
 
 
+TORCHRUN_FIX = "torchrun sets it for its workers; unset it to run one process, or launch with torchrun"
+
+
 def env_info() -> DistInfo:
-    """Layout from the torchrun environment, without initialising anything."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return DistInfo(
-        rank=int(os.environ.get("RANK", "0")),
-        world_size=world,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        local_world_size=local_world,
-        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
-    )
+    """Layout from the torchrun environment, without initialising anything. A value that is not a whole
+    number, or a rank outside its world, is one sentence naming the variable."""
+    world = env_int("WORLD_SIZE", 1, low=1, fix=TORCHRUN_FIX)
+    local_world = env_int("LOCAL_WORLD_SIZE", world, low=1, high=world, fix=TORCHRUN_FIX)
+    rank = env_int("RANK", 0, high=world - 1, fix=f"it must be below WORLD_SIZE ({world}); {TORCHRUN_FIX}")
+    local_rank = env_int("LOCAL_RANK", 0, high=local_world - 1,
+                         fix=f"it must be below LOCAL_WORLD_SIZE ({local_world}); {TORCHRUN_FIX}")
+    node = "GROUP_RANK" if "GROUP_RANK" in os.environ else "NODE_RANK"
+    node_rank = env_int(node, 0, fix=TORCHRUN_FIX)
+    if world > 1:
+        check_master()
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                    node_rank=node_rank)
+
+
+def check_master() -> None:
+    """A multi-process run's MASTER_ADDR names a host this machine can resolve and MASTER_PORT is a port; else
+    one sentence naming the variable (torch would raise from deep inside its rendezvous)."""
+    port = env_int("MASTER_PORT", 29500, low=1, high=65535, fix=TORCHRUN_FIX)
+    addr = os.environ.get("MASTER_ADDR")
+    if addr is None:
+        return   # torchrun's agent store or torch's own default
+    try:
+        socket.getaddrinfo(addr, port)
+    except (socket.gaierror, UnicodeError, ValueError):
+        raise UserError(f"the environment variable MASTER_ADDR is {addr!r}, which is no host name or address this "
+                        f"machine can resolve; give the rank-0 host's name or IP address ({TORCHRUN_FIX}).") from None
 
 
 def restart_count() -> int:
     """Which elastic restart attempt this process belongs to (0 for the first)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return env_int("TORCHELASTIC_RESTART_COUNT", 0, fix=TORCHRUN_FIX)
 
 
 def namespace() -> str:

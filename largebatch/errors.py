@@ -47,11 +47,45 @@ def report(err: UserError) -> int:
     return EXIT_USER_ERROR
 
 
+def env_int(name: str, default: int, low: int = 0, high: int | None = None, fix: str = "") -> int:
+    """The environment variable `name` as a whole number in [low, high] (`default` when unset); anything else is
+    one sentence naming the variable (a UserError). `fix` says how to set it right."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        span = f"{low} to {high}" if high is not None else f"{low} or more"
+        raise UserError(f"the environment variable {name} is {raw!r}; it must be a whole number, {span}"
+                        f"{'; ' + fix if fix else ''}.")
+    return value
+
+
+def env_float(name: str, default: float, low: float = 0.0) -> float:
+    """The environment variable `name` as a number >= `low` (`default` when unset), else one sentence."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= low or value == float("inf"):
+        raise UserError(f"the environment variable {name} is {raw!r}; it must be a number, {low:g} or more.")
+    return value
+
+
 def first_report(text: str) -> bool:
     """Whether this process is the first of its run to report `text`: a counter per sentence in the
     launcher's store (torchrun's MASTER_ADDR:MASTER_PORT). True outside torchrun or if the store is
     unreachable (then every rank prints: better twice than never)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
+            return True
+    except ValueError:   # a bad WORLD_SIZE is itself the sentence being reported
         return True
     try:
         import datetime

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch.dist import namespace as _namespace, note_stuck_thread as _note_stuck, restart_count
-from largebatch.errors import UserError
+from largebatch.errors import UserError, env_float
 
 FAULTS_ENV = "LARGEBATCH_FAULTS"
 HANG_S_ENV = "LARGEBATCH_FAULT_HANG_S"
@@ -350,7 +350,8 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in parse_faults(os.environ.get(FAULTS_ENV, ""))
                        if f.rank == rank and f.attempt in (None, attempt)]
-        self.hang_s = float(os.environ.get(HANG_S_ENV, "3600"))
+        # read only when a fault is injected here: the knob's own variables never stop a run that uses none
+        self.hang_s = env_float(HANG_S_ENV, 3600.0) if self.faults else 3600.0
 
     def _hit(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and f.first <= step <= f.last for f in self.faults)

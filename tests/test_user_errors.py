@@ -807,3 +807,49 @@ def test_safeyaml_counts_shared_nodes_once_per_use():
         safeyaml.load("a: &x [1, 2, 3]\nb: [*x, *x, *x]\n", limit=19)
     # the mapping, its keys a and b, a's list of 3, b's list of three of them: 1 + 1 + 4 + 1 + 13 = 20 values
     assert safeyaml.load("a: &x [1, 2, 3]\nb: [*x, *x, *x]\n", limit=20) is not None
+
+
+# ------------------------------------------------------------------ environment values
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, sentence", [
+    ({"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE is 'two'; it must be a whole number, 1 or more"),
+    ({"WORLD_SIZE": "0"}, "the environment variable WORLD_SIZE is '0'; it must be a whole number, 1 or more"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
+     "the environment variable RANK is '5'; it must be a whole number, 0 to 1; it must be below WORLD_SIZE (2)"),
+    ({"WORLD_SIZE": "2", "RANK": "x1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
+     "the environment variable RANK is 'x1'"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no host here!", "MASTER_PORT": "29511"},
+     "the environment variable MASTER_ADDR is 'no host here!', which is no host name or address"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
+     "the environment variable MASTER_PORT is '99999'; it must be a whole number, 1 to 65535"),
+    ({"TORCHELASTIC_RESTART_COUNT": "-"}, "the environment variable TORCHELASTIC_RESTART_COUNT is '-'"),
+    ({"LARGEBATCH_FAULTS": "nan@0:1", "LARGEBATCH_FAULT_HANG_S": "soon"},
+     "the environment variable LARGEBATCH_FAULT_HANG_S is 'soon'; it must be a number, 0 or more"),
+])
+def test_junk_in_the_environment_is_one_sentence_naming_the_variable(tmp_path, cli, env, sentence):
+    proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "data.dataset=synthetic",
+               "--set", "train.max_steps=1", "--set", "model.width=4", env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_fault_knobs_own_variables_never_stop_a_run_that_uses_none(tmp_path, cli):
+    proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "data.dataset=synthetic",
+               "--set", "train.max_steps=1", "--set", "model.width=4", "--set", "data.synthetic_size=64",
+               "--set", "train.plots=false", "--set", "batch.global_batch=32", env={"LARGEBATCH_FAULT_HANG_S": "soon"},
+               timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, sentence", [
+    ({"LOCAL_RANK": "0"}, "LOCAL_RANK is set ('0') but WORLD_SIZE is not"),
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0"},
+     "--nproc-per-node 2 was given to a process that a launcher started with 1 process(es) per node"),
+])
+def test_nproc_per_node_that_a_launch_would_ignore_is_refused(tmp_path, cli, env, sentence):
+    proc = cli("train", "fashion_mnist", "--nproc-per-node", "2", "--run-dir", tmp_path / "run", "--set",
+               "data.dataset=synthetic", "--set", "train.max_steps=1", env=env, timeout=120)
+    assert proc.returncode == 2 and sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()   # refused before the run directory is taken

@@ -9,16 +9,15 @@ layout (``LOCAL_WORLD_SIZE`` processes on node ``GROUP_RANK``).
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any, Optional
 
-from largebatch.errors import UserError
+from largebatch.errors import UserError, env_int
 
 
 def local_world_size(world: int) -> int:
     """Processes per node from torchrun's LOCAL_WORLD_SIZE (the whole world when unset)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return env_int("LOCAL_WORLD_SIZE", world, low=1, high=world)
 
 
 def parse_grid(grid: str, flag: str | None = None) -> tuple[int, int]:

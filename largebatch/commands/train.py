@@ -16,7 +16,7 @@ from pathlib import Path
 
 from largebatch import config as config_mod
 from largebatch.cli import ArgumentParser
-from largebatch.errors import UserError
+from largebatch.errors import UserError, env_int
 
 
 def parser() -> ArgumentParser:
@@ -180,13 +180,31 @@ def _announce(run_dir: Path) -> None:
         print(f"largebatch: run directory {run_dir}{plots}", file=sys.stderr)
 
 
+def _check_launch(nproc_per_node: int) -> None:
+    """--nproc-per-node inside a launched worker (LOCAL_RANK set): it must agree with the launch, or the run would
+    silently have another number of processes than asked; a LOCAL_RANK without WORLD_SIZE is a stale value."""
+    local_rank = os.environ["LOCAL_RANK"]
+    if "WORLD_SIZE" not in os.environ:
+        raise UserError(f"LOCAL_RANK is set ({local_rank!r}) but WORLD_SIZE is not, so no launcher started this "
+                        f"process; unset LOCAL_RANK (a value left in the environment) to let --nproc-per-node "
+                        f"{nproc_per_node} start the workers.")
+    world = env_int("WORLD_SIZE", 1, low=1)
+    local = env_int("LOCAL_WORLD_SIZE", world, low=1)
+    if local != nproc_per_node:
+        raise UserError(f"--nproc-per-node {nproc_per_node} was given to a process that a launcher started with "
+                        f"{local} process(es) per node (LOCAL_WORLD_SIZE); drop --nproc-per-node when launching with "
+                        "torchrun, or launch with largebatch train --nproc-per-node alone.")
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = config_mod.load(args.recipe, args.overrides)
     under_torchrun = "LOCAL_RANK" in os.environ
+    if under_torchrun and args.nproc_per_node is not None and not args.dry_run:
+        _check_launch(args.nproc_per_node)
     if args.dry_run:
         world = args.world_size if args.world_size is not None else (
-            args.nproc_per_node if args.nproc_per_node is not None else int(os.environ.get("WORLD_SIZE", "1")))
+            args.nproc_per_node if args.nproc_per_node is not None else env_int("WORLD_SIZE", 1, low=1))
         where = ("--world-size" if args.world_size is not None else
                  "--nproc-per-node" if args.nproc_per_node is not None else "the world size (WORLD_SIZE)")
         if world < 1:   # named as given: --nproc-per-node -1 was reported as --world-size -1
@@ -205,7 +223,7 @@ def main(argv: list[str]) -> int:
         from largebatch.rundir import watch_parent
 
         watch_parent()   # a SIGKILLed launcher stops its workers (SIGTERM: a checkpoint at the next step)
-    resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = args.resume or env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     run_dir = args.run_dir
     if args.resume and run_dir is None:   # an elastic restart finds its run dir in the store (reliability.py)
         run_dir = _latest_run(cfg.recipe)

@@ -168,12 +168,12 @@ class GpuFinisher:
             if blobs[j].numel() == 0:
                 keep.append(j)
                 continue
-            image = images[j]
-            if image is None:
+            found = images[j]
+            if found is None:
                 corrupt = [*corrupt, paths[j]]
                 continue
             h, w, colorspace, box, k, flip = plans[j]
-            out[j].copy_(jpeg.finish_crop(image, jpeg.CropPlan(h, w, colorspace, box, k, flip), s))
+            out[j].copy_(jpeg.finish_crop(found, jpeg.CropPlan(h, w, colorspace, box, k, flip), s))
             keep.append(j)
         if len(keep) < n:
             rows = torch.tensor(keep, dtype=torch.int64)
