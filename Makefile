@@ -43,12 +43,12 @@ clean-runs:
 	rm -rf runs
 
 # The CUDA check (docs/gpu.md). gpu-wheels, here with network: the wheels the GPU machine's image lacks, for its
-# Python 3.12 (manylinux x86-64), into .whl/. gpu-check, on the GPU machine: scripts/gpu_check.sh.
+# Python 3.12 (manylinux x86-64), into .whl/: simplejpeg, and nvImageCodec (25 MB; GPU JPEG decoding of crop windows). gpu-check, on the GPU machine: scripts/gpu_check.sh.
 WHL     ?= .whl
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  -d $(WHL) 'simplejpeg>=1.7'
+	  -d $(WHL) 'simplejpeg>=1.7' 'nvidia-nvimgcodec-cu13>=0.9'
 	@ls $(WHL)
 
 gpu-check:

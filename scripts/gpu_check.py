@@ -12,7 +12,8 @@
    NVIDIA's published 2,470 img/s on an A100 scaled by the ratio of the measured bf16 peak to the A100's
    312 TFLOP/s dense bf16 specification.
 3. Data: `largebatch bench data` at 224 px with 6 and 16 loader workers, decoding on the CPU and on the
-   GPU, on a generated ImageFolder of 500x375 JPEGs, batches counted on the GPU; does the loader keep up
+   GPU (torchvision's nvJPEG, whole images; nvImageCodec, crop windows), on a generated ImageFolder of
+   500x375 JPEGs, batches counted on the GPU; does the loader keep up
    with the model's images/s from step 2?
 4. End to end: `largebatch train` of ResNet-50 for 200 steps on that JPEG tree (LARS, fp16, the CUDA
    graph, GPU decoding), images/s and data wait per step from its metrics, against the step alone.
@@ -46,7 +47,8 @@ SIZES = {
                             "--configs", "bf16-cl,fp16-cl,bf16-cl-graph,fp16-cl-graph"],
             "batches": [256, 400],
             # a loader worker decodes a whole batch: 128 batches of 64 keep 16 workers busy for 8 each a pass
-            "images": 8192, "batch": 64, "workers": [6, 16], "decode": ["cpu", "gpu"], "size": 224, "passes": 2,
+            "images": 8192, "batch": 64, "workers": [6, 16], "size": 224, "passes": 2,
+            "decode": ["cpu", "gpu:torchvision", "gpu:nvimgcodec"],
             # the full-width ResNet-50 (the default recipe's model.width is 12) for 200 steps (not its 4 epochs)
             "train": ["--set", "model.name=resnet50", "--set", "model.width=64", "--set", "model.stem=imagenet",
                       "--set", "schedule.epochs=100", "--set", "data.image_size=224", "--set", "batch.global_batch=256",
@@ -186,18 +188,21 @@ def main() -> int:
     def data() -> dict:
         rates = {}
         for decode in sizes["decode"]:
+            where, _, decoder = decode.partition(":")
             for workers in sizes["workers"]:
-                out = args.out / f"bench_data_{decode}_{workers}.json"
+                out = args.out / f"bench_data_{decode.replace(':', '_')}_{workers}.json"
                 proc = check.sh([py, "-m", "largebatch", "bench", "data", "--images", str(sizes["images"]),
                                  "--workers", str(workers), "--size", str(sizes["size"]), "--passes",
-                                 str(sizes["passes"]), "--batch", str(sizes["batch"]), "--decode", decode,
+                                 str(sizes["passes"]), "--batch", str(sizes["batch"]), "--decode", where,
+                                 "--gpu-decoder", decoder or "auto",
                                  "--stage-images", "0", "--no-memory", "--dir", str(jpegs), "--json", str(out)],
                                 timeout=1800)
                 if proc.returncode != 0:
                     raise RuntimeError(f"bench data --decode {decode} --workers {workers} exited {proc.returncode}")
                 r = json.loads(out.read_text())
-                rates[f"{decode}_{workers}"] = {"images_per_s": r["images_per_s"],
-                                                "cpu_images_per_s": r["cpu_images_per_s"]}
+                rates[f"{decode.replace(':', '_')}_{workers}"] = {
+                    "images_per_s": r["images_per_s"], "cpu_images_per_s": r["cpu_images_per_s"],
+                    "gpu_decoder": r.get("gpu_decoder")}
         rec: dict = {"loader": rates}
         model = check.result["steps"].get("throughput", {}).get("images_per_s")
         if model:

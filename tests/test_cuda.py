@@ -303,15 +303,19 @@ def _photo_tree(root, per_class=12):
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_gpu_decode_equals_cpu_decode_within_the_idct_tolerance(tmp_path, train):
-    """nvJPEG at full size then the GPU's float resize, against libjpeg-turbo's DCT-scaled decode and uint8
-    resize: the same crops (same boxes and flips), pixels within a few levels on average."""
+@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec"])
+def test_gpu_decode_equals_cpu_decode_within_the_idct_tolerance(tmp_path, train, decoder):
+    """nvJPEG (torchvision: whole images; nvImageCodec: crop windows) then the GPU's float resize, against
+    libjpeg-turbo's DCT-scaled decode and uint8 resize: the same crops (same boxes and flips), pixels within a
+    few levels on average."""
     from largebatch.data import build_data
     from largebatch.config import DataConfig
 
+    if decoder == "nvimgcodec":
+        pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed (make gpu-wheels carries it)")
     _photo_tree(tmp_path)
-    cfg = dict(dataset="imagefolder", root=str(tmp_path), image_size=64, loader_workers=2)
-    cpu_train, cpu_val, _ = build_data(DataConfig(**cfg, decode="cpu"), seed=3)
+    cfg = dict(dataset="imagefolder", root=str(tmp_path), image_size=64, loader_workers=2, gpu_decoder=decoder)
+    cpu_train, cpu_val, _ = build_data(DataConfig(**{**cfg, "gpu_decoder": "auto"}, decode="cpu"), seed=3)
     gpu_train, gpu_val, _ = build_data(DataConfig(**cfg, decode="gpu"), seed=3)
     cpu_src, gpu_src = (cpu_train, gpu_train) if train else (cpu_val, gpu_val)
     idx = [torch.arange(len(cpu_src))]

@@ -16,7 +16,7 @@ from PIL import Image
 
 from largebatch import config
 from largebatch.data import jpeg
-from largebatch.data.gpu_jpeg import GpuFinisher, PlanDecoder, check_decode
+from largebatch.data.gpu_jpeg import GpuFinisher, PlanDecoder, check_decode, crop_window
 from largebatch.data.imagefolder import BatchDecoder
 from largebatch.errors import UserError
 
@@ -45,10 +45,25 @@ def _images(root: Path) -> list[str]:
     return paths
 
 
-def _cpu_decode(blobs, device):
+def _cpu_decode(blobs, plans, device):
     """simplejpeg at full scale with the CPU path's flags, CHW as torchvision returns it."""
     return [torch.from_numpy(simplejpeg.decode_jpeg(b.numpy().tobytes(), "RGB", fastdct=True, fastupsample=True,
                                                     strict=True)).permute(2, 0, 1) for b in blobs]
+
+
+class WindowDecode:
+    """A window decoder as nvImageCodec is one (`windows`): the crop window of each image, here cut from
+    simplejpeg's full-scale decode."""
+    windows = True
+
+    def __call__(self, blobs, plans, device):
+        if plans is None:   # whole images asked for
+            return _cpu_decode(blobs, plans, device)
+        out = []
+        for image, plan in zip(_cpu_decode(blobs, plans, device), plans):
+            y0, x0, y1, x1 = crop_window(plan)
+            out.append(image[:, y0:y1, x0:x1])
+        return out
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -89,6 +104,9 @@ def test_finishing_gives_the_cpu_paths_pixels(tmp_path, train):
             diff = (got[i].float() - want[i].float()).abs()
             assert diff.mean() < 4 and diff.max() < 64, (i, k, float(diff.mean()), float(diff.max()))
     assert sum(p[4] == 1 for p in item[1]) >= 4 and sum(p[4] > 1 for p in item[1]) >= 2   # both kinds were checked
+    # a decoder of crop windows gives the same bytes as whole images cropped: the window is the box's pixels
+    windowed, _, _ = GpuFinisher(SIZE, 0.0, torch.device("cpu"), decode=WindowDecode())(item)
+    assert torch.equal(windowed, got)
 
 
 def test_the_cache_returns_the_same_bytes_and_decodes_each_image_once(tmp_path):
@@ -97,9 +115,9 @@ def test_the_cache_returns_the_same_bytes_and_decodes_each_image_once(tmp_path):
     planner = PlanDecoder(np.array(paths), labels, SIZE, 0.08, seed=1)
     decoded: list[int] = []
 
-    def counting(blobs, device):
+    def counting(blobs, plans, device):
         decoded.append(len(blobs))
-        return _cpu_decode(blobs, device)
+        return _cpu_decode(blobs, plans, device)
 
     cached = GpuFinisher(SIZE, 1.0, torch.device("cpu"), decode=counting)
     plain = GpuFinisher(SIZE, 0.0, torch.device("cpu"), decode=_cpu_decode)
@@ -117,6 +135,11 @@ def test_the_cache_returns_the_same_bytes_and_decodes_each_image_once(tmp_path):
     again, _, _ = small(planner[(0, False, idx)])
     assert torch.equal(first, again)
     assert small.cache is not None and 0 < len(small.cache.images) < len(paths) - 1 and small.cache.used <= 40_000
+    # with a cache a window decoder decodes whole images (to keep), and the bytes stay those of the plain path
+    window_cached = GpuFinisher(SIZE, 1.0, torch.device("cpu"), decode=WindowDecode())
+    assert not window_cached.windows
+    a, _, _ = window_cached(planner[(0, True, idx)])
+    assert torch.equal(a, plain(planner[(0, True, idx)])[0]) and len(window_cached.cache.images) == len(paths) - 1
 
 
 def test_an_image_the_decoder_rejects_is_dropped_and_named(tmp_path):

@@ -5,20 +5,25 @@
    the CPU path's own `jpeg.plan_crop`, so both paths crop every image alike. A file nvJPEG does not take
    (CMYK or YCCK JPEGs, other formats) is decoded there by the CPU path and travels as finished pixels; a
    file whose header cannot be read is corrupt (`data.on_corrupt`), as on the CPU path.
-2. Decode (the training process, GPU): the batch's JPEG bytes in one batched `torchvision.io.decode_jpeg`
-   call on the device (nvJPEG; the hardware decoder where the GPU has one). When the batch fails, its images
-   are decoded one by one, and one that fails is corrupt.
+2. Decode (the training process, GPU), one batched call: with nvImageCodec (`data.gpu_decoder`
+   nvimgcodec, the `nvidia-nvimgcodec-cu13` wheel) only each image's crop window is decoded, on the GPU's
+   hardware JPEG decoder where it has one; with torchvision's `decode_jpeg` (nvJPEG on the CUDA cores) the
+   whole image. `auto` takes nvImageCodec where it loads, saying once when it does not. When the batch
+   fails, its images are decoded one by one, and one that fails is corrupt.
 3. Finish, per image on the GPU: the crop box mapped to the decoded pixels as the CPU path maps it
    (`jpeg.finish_crop`), resized to S x S with the same antialiased bilinear filter in float32 and rounded,
    mirrored on the flip bit, written into the batch: N x S x S x 3 uint8 on the device (an NCHW view of NHWC
-   memory, what the CPU path hands over; the model's Normalize layer scales it).
+   memory, what the CPU path hands over; the model's Normalize layer scales it). A decoded window is the
+   crop box's pixels as the CPU path takes them at full scale (`crop_window`).
 4. Cache: with `data.gpu_cache_gb`, decoded images (full size, HWC uint8) are kept in GPU memory up to that
    budget, first come first kept, never evicted; a cached image skips step 2 in later epochs (its file is
-   still read by the worker, which does not know the cache). For data sets, or parts of them, that fit.
+   still read by the worker, which does not know the cache). For data sets, or parts of them, that fit. With
+   a cache, whole images are decoded (a window is no use in the next epoch).
 """
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,6 +43,77 @@ def gpu_decoder_available() -> str | None:
     except ImportError:
         return "it needs torchvision (pip install torchvision, on the GPU image already)"
     return None
+
+
+def crop_window(plan: jpeg.CropPlan) -> tuple[int, int, int, int]:
+    """The crop box in whole pixels (y0, x0, y1, x1) as `jpeg.finish_crop` takes it from a full-scale decode."""
+    top, left, ch, cw = plan.box
+    y0, x0 = int(top), int(left)
+    return (y0, x0, max(y0 + 1, min(plan.h, int(round(top + ch)))), max(x0 + 1, min(plan.w, int(round(left + cw)))))
+
+
+def window_plan(plan: jpeg.CropPlan) -> jpeg.CropPlan:
+    """The plan of a decoded window: the whole of it is the box."""
+    y0, x0, y1, x1 = crop_window(plan)
+    return jpeg.CropPlan(y1 - y0, x1 - x0, plan.colorspace, (0.0, 0.0, float(y1 - y0), float(x1 - x0)), 1, plan.flip)
+
+
+class TorchvisionDecoder:
+    """Step 2 with torchvision's nvJPEG `decode_jpeg`: whole images, CHW uint8 on the device."""
+    windows = False
+
+    def __call__(self, blobs: list[torch.Tensor], plans: list[jpeg.CropPlan] | None, device: torch.device) -> list:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
+
+
+class NvImageCodecDecoder:
+    """Step 2 with nvImageCodec: only each image's crop window (a Region of the code stream; whole images where
+    `plans` is None), HWC uint8 on the device, decoded in stream order on the current CUDA stream; no EXIF
+    rotation (as the CPU path)."""
+    windows = True
+
+    def __init__(self, device: torch.device) -> None:
+        from nvidia import nvimgcodec
+
+        self.nv = nvimgcodec
+        self.decoder = nvimgcodec.Decoder(device_id=device.index or 0)
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+
+    def __call__(self, blobs: list[torch.Tensor], plans: list[jpeg.CropPlan] | None, device: torch.device) -> list:
+        streams = []
+        for i, blob in enumerate(blobs):
+            stream_ = self.nv.CodeStream(blob.numpy())
+            if plans is not None:
+                y0, x0, y1, x1 = crop_window(plans[i])
+                stream_ = stream_.get_sub_code_stream(region=self.nv.Region(y0, x0, y1, x1))
+            streams.append(stream_)
+        stream = torch.cuda.current_stream(device)
+        images = self.decoder.decode(streams, params=self.params, cuda_stream=stream.cuda_stream)
+        out = []
+        for image in images:
+            if image is None:
+                raise RuntimeError("nvImageCodec could not decode an image of the batch")
+            out.append(torch.as_tensor(image, device=device).permute(2, 0, 1))   # HWC -> CHW, as torchvision
+        return out
+
+
+def pick_decoder(choice: str, device: torch.device) -> Callable:
+    """`data.gpu_decoder`: nvimgcodec, torchvision, or auto (nvImageCodec where it loads, else torchvision,
+    saying so once)."""
+    if choice == "torchvision":
+        return TorchvisionDecoder()
+    try:
+        return NvImageCodecDecoder(device)
+    except Exception as err:   # noqa: BLE001 - not installed, or its CUDA libraries do not load
+        if choice == "nvimgcodec":
+            raise UserError(f"data.gpu_decoder is nvimgcodec but it does not load here ({type(err).__name__}: "
+                            f"{err}); install the nvidia-nvimgcodec-cu13 wheel, or set data.gpu_decoder to "
+                            "torchvision or auto.") from None
+        print(f"largebatch: nvImageCodec does not load ({type(err).__name__}: {err}); JPEGs are decoded whole "
+              "by torchvision's nvJPEG.", file=sys.stderr, flush=True)
+        return TorchvisionDecoder()
 
 
 class PlanDecoder(torch.utils.data.Dataset):
@@ -110,39 +186,48 @@ class DecodedCache:
 
 
 class GpuFinisher:
-    """Steps 2-4 in the training process: a worker's planned batch -> (x, y, corrupt paths) on `device`."""
+    """Steps 2-4 in the training process: a worker's planned batch -> (x, y, corrupt paths) on `device`.
+    `decode(blobs, plans, device)` returns CHW uint8 tensors: the plans' crop windows where it decodes windows
+    (its `windows` is set) and `plans` are given, else whole images; by default the decoder `data.gpu_decoder`
+    picks (tests pass a CPU one)."""
 
     def __init__(self, size: int, cache_gb: float, device: torch.device | None = None,
-                 decode: Any = None) -> None:
+                 decode: Any = None, decoder: str = "auto") -> None:
         self.size = size
         self.device = device
         self.cache = DecodedCache(int(cache_gb * 2**30)) if cache_gb > 0 else None
-        self._decode = decode   # (list of uint8 byte tensors, device) -> list of CHW uint8 tensors; tests pass one
+        self.choice = decoder
+        self._decode = decode
 
-    def decode(self, blobs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        if self._decode is not None:
-            return self._decode(blobs, device)
-        from torchvision.io import ImageReadMode, decode_jpeg
+    def decode(self, blobs: list[torch.Tensor], plans: list[jpeg.CropPlan], device: torch.device) -> list:
+        if self._decode is None:
+            self._decode = pick_decoder(self.choice, device)
+        return self._decode(blobs, plans if self.windows else None, device)
 
-        return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
+    @property
+    def windows(self) -> bool:
+        """Whether crop windows are decoded (a window decoder, and no cache to fill with whole images)."""
+        return bool(getattr(self._decode, "windows", False)) and self.cache is None
 
-    def _decode_all(self, blobs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    def _decode_all(self, blobs: list[torch.Tensor], plans: list[jpeg.CropPlan], device: torch.device
+                    ) -> list[torch.Tensor | None]:
         """Step 2: the batch in one call, or image by image when it fails (None: corrupt)."""
         if not blobs:
             return []
         try:
-            return list(self.decode(blobs, device))
+            return list(self.decode(blobs, plans, device))
         except (RuntimeError, ValueError):   # torchvision raises RuntimeError on a bad JPEG
             out: list[torch.Tensor | None] = []
-            for blob in blobs:
+            for blob, plan in zip(blobs, plans):
                 try:
-                    out.append(self.decode([blob], device)[0])
+                    out.append(self.decode([blob], [plan], device)[0])
                 except (RuntimeError, ValueError):
                     out.append(None)
             return out
 
     def __call__(self, item) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        blobs, plans, ready, y, kept, paths, corrupt = item
+        blobs, plan_tuples, ready, y, kept, paths, corrupt = item
+        plans = [jpeg.CropPlan(*p) for p in plan_tuples]
         device = self.device or torch.device("cuda", torch.cuda.current_device())
         n, s = len(plans), self.size
         out = torch.empty((n, s, s, 3), dtype=torch.uint8, device=device)
@@ -156,13 +241,17 @@ class GpuFinisher:
             if cached is None:
                 todo.append(j)
             images[j] = cached
-        for j, decoded in zip(todo, self._decode_all([blobs[j] for j in todo], device)):
-            if decoded is None:
+        decoded = self._decode_all([blobs[j] for j in todo], [plans[j] for j in todo], device)
+        windows = self.windows
+        for j, image in zip(todo, decoded):
+            if image is None:
                 continue
-            image = decoded.permute(1, 2, 0)   # HWC view
-            images[j] = image
-            if self.cache is not None:
-                self.cache.put(int(kept[j]), image.contiguous())
+            hwc = image.permute(1, 2, 0)   # HWC view
+            images[j] = hwc
+            if windows:
+                plans[j] = window_plan(plans[j])
+            elif self.cache is not None:
+                self.cache.put(int(kept[j]), hwc.contiguous())
         keep = []
         for j in range(n):
             if blobs[j].numel() == 0:
@@ -172,8 +261,7 @@ class GpuFinisher:
             if found is None:
                 corrupt = [*corrupt, paths[j]]
                 continue
-            h, w, colorspace, box, k, flip = plans[j]
-            out[j].copy_(jpeg.finish_crop(found, jpeg.CropPlan(h, w, colorspace, box, k, flip), s))
+            out[j].copy_(jpeg.finish_crop(found, plans[j], s))
             keep.append(j)
         if len(keep) < n:
             rows = torch.tensor(keep, dtype=torch.int64)

@@ -117,11 +117,12 @@ class _Feed:
 
 class ImageFolderSource:
     def __init__(self, paths: np.ndarray, labels: torch.Tensor, *, size: int, min_scale: float, seed: int,
-                 augment: bool, workers: int, on_corrupt: str, gpu: bool = False, gpu_cache_gb: float = 0.0) -> None:
+                 augment: bool, workers: int, on_corrupt: str, gpu: bool = False, gpu_cache_gb: float = 0.0,
+                 gpu_decoder: str = "auto") -> None:
         from largebatch.data import gpu_jpeg
 
         self.decoder: Dataset = (gpu_jpeg.PlanDecoder if gpu else BatchDecoder)(paths, labels, size, min_scale, seed)
-        self.finisher = gpu_jpeg.GpuFinisher(size, gpu_cache_gb) if gpu else None
+        self.finisher = gpu_jpeg.GpuFinisher(size, gpu_cache_gb, decoder=gpu_decoder) if gpu else None
         self.labels = labels
         self.augment = augment
         self.workers = workers
@@ -178,7 +179,8 @@ def build_imagefolder(cfg, seed: int):
     from largebatch.data.gpu_jpeg import check_decode
 
     common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
-                  on_corrupt=cfg.on_corrupt, gpu=check_decode(cfg.decode, cfg.dataset), gpu_cache_gb=cfg.gpu_cache_gb)
+                  on_corrupt=cfg.on_corrupt, gpu=check_decode(cfg.decode, cfg.dataset), gpu_cache_gb=cfg.gpu_cache_gb,
+                  gpu_decoder=cfg.gpu_decoder)
     train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, **common)
     test = ImageFolderSource(val_paths, val_labels, augment=False, **common)
     info = DatasetInfo(len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),

@@ -51,6 +51,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from largebatch.commands.bench import machine
+from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.data.jpeg import rrc_fallback
 from largebatch.errors import UserError
@@ -73,8 +74,6 @@ def natural_image(seed: int, width: int = 500, height: int = 375) -> np.ndarray:
 
 def _write_jpeg(job: tuple[str, int, int, int]) -> None:
     """One generated JPEG, written whole or not at all (a killed run leaves no truncated file to reuse)."""
-    from largebatch.checkpoint import atomic_write
-
     path, seed, width, height = job
     buf = io.BytesIO()
     Image.fromarray(natural_image(seed, width, height)).save(buf, "JPEG", quality=90)
@@ -282,6 +281,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the Fashion-MNIST in-memory rate")
     p.add_argument("--decode", choices=("cpu", "gpu"), default="cpu",
                    help="largebatch's pipeline: decode in the loader workers (cpu) or on the GPU (gpu)")
+    p.add_argument("--gpu-decoder", choices=("auto", "nvimgcodec", "torchvision"), default="auto",
+                   help="with --decode gpu: nvImageCodec (crop windows) or torchvision (whole images)")
     p.add_argument("--dir", type=Path, default=None, help="keep the generated ImageFolder here (reused if present)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -319,7 +320,7 @@ def main(argv: list[str]) -> int:
 
         # Step 2: largebatch's pipeline.
         ours = ImageFolderSource(paths, labels, size=args.size, min_scale=args.min_scale, seed=0, augment=True,
-                                 workers=args.workers, on_corrupt="skip", gpu=gpu)
+                                 workers=args.workers, on_corrupt="skip", gpu=gpu, gpu_decoder=args.gpu_decoder)
         epoch = [0]
 
         def ours_pass() -> None:
@@ -348,6 +349,7 @@ def main(argv: list[str]) -> int:
     result = {
         "images": n, "width": args.width, "height": args.height, "workers": args.workers, "size": args.size,
         "decode": args.decode, "into_gpu": cuda is not None,
+        "gpu_decoder": type(ours.finisher._decode).__name__ if ours.finisher is not None else None,
         "batch": args.batch, "passes": args.passes,
         "mean_jpeg_kb": round(nbytes / n / 1024, 1),
         "images_per_s": round(n / t_ours, 1),
@@ -365,7 +367,7 @@ def main(argv: list[str]) -> int:
     print(f"data pipeline, {n} JPEGs of {args.width}x{args.height} (~{result['mean_jpeg_kb']} KB), crop {args.size}, "
           f"{args.workers} workers, batch {args.batch}, median of {args.passes} passes")
     print(f"  {'':58s} {'img/s wall':>10s} {'img/CPU-s':>10s}")
-    ours_name = ("largebatch (nvJPEG on the GPU, float resize there)" if gpu else
+    ours_name = (f"largebatch (GPU decode: {result['gpu_decoder']}, float resize there)" if gpu else
                  "largebatch (DCT-scaled simplejpeg, uint8 torch resize)")
     print(f"  {ours_name:58s} {result['images_per_s']:>10.1f} "
           f"{result['cpu_images_per_s']:>10.1f}")
@@ -381,5 +383,5 @@ def main(argv: list[str]) -> int:
         print(f"  Fashion-MNIST in memory, batched pad-crop + flip (1 thread): {idx_rate:,.0f} images/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(args.json, (json.dumps(result, indent=2) + "\n").encode())   # whole or absent
     return 0
