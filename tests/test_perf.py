@@ -194,10 +194,13 @@ def test_every_catalog_figure_has_a_source():
     for key, link in cat["links"].items():
         assert link.get("source"), key
     for key, stack in cat["stacks"].items():
-        # MLPerf v2.0's MXNet ran the A100 1.21x as fast as v0.7's (the curves'), the v3.0 H100 1.51x its curve
-        assert stack.get("source") and 0.2 < stack_factor(key) <= 1.6, key
+        # MLPerf v2.0's MXNet ran the A100 1.21x as fast as v0.7's (the curves'), the v3.0 H100 1.51x its curve,
+        # the v4.0 H200 1.72x its curve (the H100's: the H200's memory is faster, its peaks the same)
+        assert stack.get("source") and stack.get("released") and 0.2 < stack_factor(key) <= 1.8, key
         for dev, entry in (stack.get("devices") or {}).items():
-            assert entry.get("source") and 0.2 < stack_factor(key, dev) <= 1.6, (key, dev)
+            assert entry.get("source") and 0.2 < stack_factor(key, dev) <= 1.8, (key, dev)
+            for prec, own in (entry.get("precisions") or {}).items():
+                assert own.get("source") and 0.2 < stack_factor(key, dev, prec) <= 1.8, (key, dev, prec)
 
 
 def test_stack_factor_reproduces_its_single_gpu_figure_and_scales_speed():
@@ -236,7 +239,7 @@ def test_mlperf_rows_use_their_release_stack_fitted_to_its_single_node():
 
 
 def test_h100_is_a_measured_ratio_of_the_a100():
-    kw = dict(model="resnet50", devices=1, global_batch=256, precision="fp16")
+    kw = dict(model="resnet50", devices=1, global_batch=256, precision="fp16", stack="mlperf-2020")
     h, a = predict(device="h100", **kw), predict(device="a100", **kw)
     assert h.images_per_s == pytest.approx(1.654 * a.images_per_s, rel=1e-9)
 
@@ -251,8 +254,10 @@ def test_validation_fits_compute_to_single_nodes_only():
             assert not any(w in r.setup for w in ("1,024", "2,176", "2,048 V100", "640", "256 P100")), r.setup
             # the KNL row is the one multi-node input: no single-node KNL figure was found (docs say so)
             assert r.nodes == 1 or "KNL" in r.setup, r
+            # an images/s FIT reproduces its figure; a time FIT (the same single node's time-to-train, which holds
+            # start-up and the first epoch's warm-up the model leaves out) within 10%
             if "KNL" not in r.setup:
-                assert abs(r.error) < 0.01, r
+                assert abs(r.error) < (0.01 if r.quantity == "images/s" else 0.10), r
     ok, n = validate.summary(rs)
     assert n >= 15 and ok == sum(abs(r.error) <= 0.25 for r in rs if r.role == "validation")
     assert ok >= 0.9 * n, f"{ok} of {n} validation rows within 25%: below the model's 90% goal"

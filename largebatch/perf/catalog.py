@@ -203,25 +203,66 @@ def _reference_factor(ref: dict[str, Any]) -> float:
     return float(ref["images_per_s"]) / float(ref.get("gpus", 1)) / curve
 
 
-def stack_factor(name: str, device: str | None = None, seen: tuple[str, ...] = ()) -> float:
-    """Step 4: the factor on eff_max of software stack `name` on `device` (the device curves describe
-    DEFAULT_STACK): the device's own figure of that stack where the stack gives one, else the stack's factor."""
+def stack_factor(name: str, device: str | None = None, precision: str | None = None, seen: tuple[str, ...] = ()) -> float:
+    """Step 4: the factor on eff_max of software stack `name` on `device` at `precision` (the device curves describe
+    DEFAULT_STACK): the device's own figure of that stack at that precision where the stack gives one
+    (`devices.<key>.precisions.<prec>`), else the device's figure (`devices.<key>.reference`), else the stack's factor."""
     stacks = load_catalog().get("stacks", {})
     if name not in stacks:
         raise UserError(f"unknown software stack {name!r}; choose one of: {', '.join(sorted(stacks))}.")
     entry = stacks[name]
     per_device = entry.get("devices") or {}
     if device is not None and device in per_device:
-        return _reference_factor(per_device[device]["reference"])
+        own = per_device[device]
+        by_precision = own.get("precisions") or {}
+        if precision is not None and precision in by_precision:
+            return _reference_factor(by_precision[precision]["reference"])
+        if "reference" in own:
+            return _reference_factor(own["reference"])
     if "factor" in entry:
         return float(entry["factor"])
     if "factor_from" in entry:
         other = str(entry["factor_from"])
         if other in seen + (name,):
             raise ValueError(f"catalog cycle in factor_from: {seen + (name, other)}")
-        return stack_factor(other, device, seen + (name,))
+        return stack_factor(other, device, precision, seen + (name,))
     return _reference_factor(entry["reference"])
 
 
 def stack_names() -> list[str]:
     return sorted(load_catalog().get("stacks", {}))
+
+
+MEASURED_STACK = "largebatch"   # largebatch's own measured step: the default where it was measured
+
+
+def measured_precisions(device: str) -> list[str]:
+    """The precisions at which largebatch's own step was measured on `device` (the `largebatch` stack's figures)."""
+    own = ((load_catalog().get("stacks", {}).get(MEASURED_STACK) or {}).get("devices") or {}).get(device) or {}
+    return sorted(own.get("precisions") or {})
+
+
+def has_figure(name: str, device: str) -> bool:
+    """Whether stack `name` holds a figure of `device` itself (not one carried over from another device)."""
+    entry = load_catalog().get("stacks", {})[name]
+    return (device in (entry.get("devices") or {}) or (entry.get("reference") or {}).get("device") == device
+            or device in (entry.get("figures") or []))
+
+
+def default_stack(device: str, precision: str) -> tuple[str, str]:
+    """(stack, why) that `plan` uses without --stack: `largebatch` where largebatch's own step was measured on this
+    device at this precision; else the newest MLPerf release stack (by `released`) with a figure for the device;
+    else the device's own curve (DEFAULT_STACK, factor 1)."""
+    if precision in measured_precisions(device):
+        return MEASURED_STACK, f"largebatch's own step, measured on {device} at {precision}"
+    stacks = load_catalog().get("stacks", {})
+    releases = [(str(e.get("released", "")), n) for n, e in stacks.items()
+                if (n.startswith("mlperf-") and has_figure(n, device))]
+    if releases:
+        name = max(releases)[1]
+        measured = measured_precisions(device)
+        why = (f"the newest MLPerf release with a figure for {device}"
+               + (f" (largebatch was measured on it at {', '.join(measured)} only)" if measured
+                  else " (largebatch has no measurement on it)"))
+        return name, why
+    return DEFAULT_STACK, f"no stack has a figure for {device}: its own curve"

@@ -18,16 +18,26 @@
    t_bwd * (bytes up to and including i) / G; buckets are all-reduced one at a time in order.
    The exposed communication is what is left after backward ends:
    max(0, end of the last all-reduce - t_bwd). Without overlap it is all of comm.
-5. Step time = t_c + exposed; images/s = global batch / step time.
-6. Scaling efficiency against one device: t_c / step (the same per-device batch, no
-   communication); against one node: step time on g devices / step time on p devices.
+5. Step time = t_c + exposed + data wait; images/s = global batch / step time. The data wait is what the
+   input pipeline adds when it is slower than the step: with a loader of r images/s per device (`data_images_per_s`,
+   e.g. `largebatch bench data`'s figure; None = the loader keeps up, not modelled) it is
+   max(0, b / r - (t_c + exposed)), the loader working ahead during compute and communication.
+6. Scaling efficiency against one device: t_c / (t_c + exposed) (the same per-device batch, no
+   communication); against one node: the same step on g devices / on p devices (data wait left out of both).
 7. Evaluation, the overhead that published times-to-accuracy include: every `eval_every` epochs
    one pass over `eval_images` split over all devices, forward only (t_c / 3 per step of the
    per-device batch, b_half included), plus its all-reduce of the counts (one latency step).
 8. Time-to-train = epochs x dataset / global batch x step time (an epoch charges its images, not
    a rounded-up step count: at a global batch near the dataset size the rounding would charge up
    to twice the images) + evaluation; device-hours = devices x hours; cost = device-hours x price
-   per device-hour, hardware = devices x purchase price.
+   per device-hour, hardware = devices x purchase price. Where the time goes: compute (steps x t_c),
+   exposed communication (steps x exposed), data (steps x data wait) and evaluation add up to time-to-train.
+9. Phases (a recipe's batch.phases and data.resolution_phases): each stretch of epochs at one global batch and
+   image size is predicted as above and the times are summed; evaluation pass k (at epoch k x eval_every) costs
+   what it costs in the phase it falls in. The step figures reported are those of the phase that takes the most
+   time; `phases` lists every phase's.
+10. Stack: without one, `catalog.default_stack` picks it (largebatch's own where measured on the device at the
+   precision, else the newest MLPerf release with a figure for the device); `stack_reason` says which rule.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ from typing import Any
 from largebatch.algorithms import ALLREDUCE, MODEL_ONLY
 from largebatch.errors import UserError
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
-from largebatch.perf.catalog import DEFAULT_STACK, Device, get_device, get_link, stack_factor
+from largebatch.perf.catalog import DEFAULT_STACK, Device, default_stack, get_device, get_link, stack_factor
 from largebatch.perf.flops import model_cost
 from largebatch.perf.topology import Topology
 
@@ -86,9 +96,19 @@ class Prediction:
     stack: str = DEFAULT_STACK
     torus_grid: list[int] | None = None
     notes: list[str] = field(default_factory=list)
+    stack_reason: str = "given"
+    data_time_s: float = 0.0          # data wait per step (5.)
+    compute_total_s: float = 0.0      # where the time goes (8.): these four add up to time_to_train_s
+    exposed_comm_total_s: float = 0.0
+    data_total_s: float = 0.0
+    image_size: int = 224
+    phases: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["where_the_time_goes_s"] = {"compute": self.compute_total_s, "exposed_communication": self.exposed_comm_total_s,
+                                        "evaluation": self.eval_time_s, "data": self.data_total_s}
+        return out
 
 
 def allreduce_time(algorithm: str, nbytes: float, topo: Topology, torus_x: int | None = None, *,
@@ -137,18 +157,36 @@ def overlap(backward_s: float, comm_s: list[float], sizes: list[int], enabled: b
 
 
 def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str, sizes: list[int],
-          do_overlap: bool, torus_x: int | None) -> tuple[float, float, float, float]:
-    """(compute, comm, exposed, step) seconds for per-device batch `b` on `topo`."""
+          do_overlap: bool, torus_x: int | None, inter: str = "halving_doubling") -> tuple[float, float, float, float]:
+    """(compute, comm, exposed, compute + exposed) seconds for per-device batch `b` on `topo`."""
     t_img = 3.0 * fwd_flops / (dev.peak_flops * dev.eff_max)     # 1.
     t_c = t_img * (b + dev.b_half)
     cache: dict[int, float] = {}
     comm = []
     for s in sizes:                                                # 3.
         if s not in cache:
-            cache[s] = allreduce_time(algorithm, s, topo, torus_x)
+            cache[s] = allreduce_time(algorithm, s, topo, torus_x, inter=inter)
         comm.append(cache[s])
     exposed = overlap(2.0 * t_c / 3.0, comm, sizes, do_overlap)     # 4.
     return t_c, sum(comm), exposed, t_c + exposed                 # 5.
+
+
+def _segments(epochs: float, global_batch: int, image_size: int, batch_phases: list[tuple[float, int]] | None,
+              resolution_phases: list[tuple[float, int]] | None) -> list[tuple[float, float, int, int]]:
+    """Step 9: (start, end, global batch, image size) of every stretch of epochs at one batch and one size. Before
+    the first phase of a list (or without one) the plain value applies."""
+    starts = sorted({0.0} | {float(a) for a, _ in (batch_phases or []) + (resolution_phases or []) if a < epochs})
+
+    def at(phases: list[tuple[float, int]] | None, epoch: float, plain: int) -> int:
+        value = plain
+        for start, v in sorted(phases or []):
+            if start <= epoch:
+                value = int(v)
+        return value
+
+    ends = starts[1:] + [float(epochs)]
+    return [(a, b, at(batch_phases, a, global_batch), at(resolution_phases, a, image_size))
+            for a, b in zip(starts, ends) if b > a]
 
 
 def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, devices_per_node: int = 8,
@@ -158,8 +196,10 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
             stem: str = "imagenet", width: int = 64, bucket_mb: float = 25.0, overlap_comm: bool = True,
             torus_x: int | None = None, price_per_device_hour: float | None = None,
             purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000,
-            stack: str = DEFAULT_STACK) -> Prediction:
-    """Predict one training plan (steps 1-7); impossible plans raise UserError."""
+            stack: str | None = None, batch_phases: list[tuple[float, int]] | None = None,
+            resolution_phases: list[tuple[float, int]] | None = None, data_images_per_s: float | None = None,
+            inter: str = "halving_doubling") -> Prediction:
+    """Predict one training plan (steps 1-10); impossible plans raise UserError."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
     if precision not in BYTES_PER_ELEMENT:
@@ -169,33 +209,41 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
     if devices > devices_per_node and devices % devices_per_node:
         raise UserError(f"{devices} devices do not fill nodes of {devices_per_node}; use a multiple of "
                         f"{devices_per_node} or change --devices-per-node.")
-    if global_batch < devices:
-        raise UserError(f"global batch {global_batch} is smaller than the {devices} devices; "
-                        "each device needs at least one image per step.")
-    if global_batch % devices:
-        raise UserError(f"global batch {global_batch} does not split evenly over {devices} devices; "
-                        f"use a multiple of {devices}.")
     if epochs <= 0 or dataset_size < 1:
         raise UserError(f"epochs ({epochs}) and dataset size ({dataset_size}) must be positive.")
-    if global_batch > dataset_size:
-        raise UserError(f"global batch {global_batch} is larger than the dataset ({dataset_size} images); one step "
-                        "would see images twice: use a smaller --global-batch or the right --dataset-size.")
     if bucket_mb <= 0:
         raise UserError(f"bucket size {bucket_mb} MB must be positive.")
     if eval_every < 0 or eval_images < 0:
         raise UserError(f"evaluation every {eval_every} epochs over {eval_images} images: give non-negative "
                         "numbers (0 leaves evaluation out).")
+    if data_images_per_s is not None and not data_images_per_s > 0:
+        raise UserError(f"data rate {data_images_per_s} images/s per device must be positive.")
+    segments = _segments(epochs, global_batch, image_size, batch_phases, resolution_phases)
+    for _, _, gb, _ in segments:
+        where = "" if len(segments) == 1 else " (a batch phase's)"
+        if gb < devices:
+            raise UserError(f"global batch {gb}{where} is smaller than the {devices} devices; "
+                            "each device needs at least one image per step.")
+        if gb % devices:
+            raise UserError(f"global batch {gb}{where} does not split evenly over {devices} devices; "
+                            f"use a multiple of {devices}.")
+        if gb > dataset_size:
+            raise UserError(f"global batch {gb}{where} is larger than the dataset ({dataset_size} images); one step "
+                            "would see images twice: use a smaller --global-batch or the right --train-size.")
     dev = get_device(device, precision)
-    factor = stack_factor(stack, device)
+    reason = "given"
+    if stack is None:                                               # 10.
+        stack, reason = default_stack(device, precision)
+    factor = stack_factor(stack, device, precision)
     if factor != 1.0:
         dev = replace(dev, eff_max=dev.eff_max * factor)
     intra, _ = get_link(intra_node or dev.default_intra)
-    inter, mult = get_link(inter_node)
+    inter_link, mult = get_link(inter_node)
     g = min(devices_per_node, devices)
-    topo = Topology(devices, g, intra, inter, mult, dev.gamma_s_per_byte)
-    cost = model_cost(model, image_size, in_channels, num_classes, stem, width)
-    b = global_batch // devices
+    topo = Topology(devices, g, intra, inter_link, mult, dev.gamma_s_per_byte)
+    node_topo = Topology(g, g, intra, inter_link, mult, dev.gamma_s_per_byte)
 
+    cost = model_cost(model, image_size, in_channels, num_classes, stem, width)
     grad_bytes = cost.params * BYTES_PER_ELEMENT[precision]         # 2.
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     if math.ceil(grad_bytes / bucket_bytes) > MAX_BUCKETS:   # a list of them was a MemoryError, or minutes of work
@@ -207,20 +255,32 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
     if algorithm == "torus2d":
         x, y = torus2d.grid(devices, torus_x, topo if torus_x is None else None, float(sizes[0]))
         torus_x, grid = x, [x, y]
-    t_c, comm, exposed, step = _step(dev, cost.forward_flops, b, topo, algorithm, sizes, overlap_comm, torus_x)
-    node_topo = Topology(g, g, intra, inter, mult, dev.gamma_s_per_byte)
     node_x = None
     if algorithm == "torus2d":
         node_x = torus2d.grid(g, None, node_topo, float(sizes[0]))[0]
-    node_step = _step(dev, cost.forward_flops, b, node_topo, algorithm, sizes, overlap_comm, node_x)[3]
+    count_s = allreduce_time(algorithm, 8.0, topo, torus_x, inter=inter)
+    passes = 0 if eval_every <= 0 or eval_images <= 0 else math.floor(epochs / eval_every + 1e-9)
+    marks = [k * eval_every for k in range(1, passes + 1)]
 
-    eval_s = 0.0                                                    # 7.
-    if eval_every > 0 and eval_images > 0:
-        passes = math.floor(epochs / eval_every + 1e-9)
-        eval_steps = math.ceil(eval_images / global_batch)
-        eval_s = passes * (eval_steps * t_c / 3.0 + allreduce_time(algorithm, 8.0, topo, torus_x))
-    steps_per_epoch = math.ceil(dataset_size / global_batch)        # 8.
-    ttt = epochs * dataset_size / global_batch * step + eval_s
+    rows: list[dict[str, Any]] = []
+    for start, end, gb, size in segments:
+        fwd = cost.forward_flops if size == image_size else model_cost(model, size, in_channels, num_classes, stem,
+                                                                          width).forward_flops
+        b = gb // devices
+        t_c, comm, exposed, busy = _step(dev, fwd, b, topo, algorithm, sizes, overlap_comm, torus_x, inter)
+        node_busy = _step(dev, fwd, b, node_topo, algorithm, sizes, overlap_comm, node_x, inter)[3]
+        wait = 0.0 if data_images_per_s is None else max(0.0, b / data_images_per_s - busy)   # 5.
+        step = busy + wait
+        n_eval = sum(1 for m in marks if start < m <= end + 1e-9)      # 7.
+        eval_s = n_eval * (math.ceil(eval_images / gb) * t_c / 3.0 + count_s)
+        steps = (end - start) * dataset_size / gb                       # 8.
+        rows.append(dict(start_epoch=start, end_epoch=end, global_batch=gb, image_size=size, per_device_batch=b,
+                         forward_flops=fwd, compute_time_s=t_c, comm_time_s=comm, exposed_comm_s=exposed,
+                         data_time_s=wait, step_time_s=step, node_busy_s=node_busy, images_per_s=gb / step,
+                         steps=steps, eval_time_s=eval_s, time_s=steps * step + eval_s))
+    main = max(rows, key=lambda r: r["time_s"])
+    ttt = sum(r["time_s"] for r in rows)
+    eval_total = sum(r["eval_time_s"] for r in rows)
     hours = devices * ttt / 3600.0
     price = purchase_price if purchase_price is not None else dev.purchase_usd
     notes = []
@@ -229,16 +289,26 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
     if grid is not None and devices > 3 and all(devices % d for d in range(2, math.isqrt(devices) + 1)):
         notes.append(f"{devices} devices have no divisor between 1 and {devices}: the 2D torus is a 1 x {devices} "
                      "ring; a device count with a divisor near its square root gives a real grid")
+    if len(rows) > 1:
+        notes.append(f"{len(rows)} phases; the step figures are those of epochs {main['start_epoch']:g}-"
+                     f"{main['end_epoch']:g} (global batch {main['global_batch']}, {main['image_size']} px), "
+                     "the phase that takes the most time")
+    step, t_c, exposed = main["step_time_s"], main["compute_time_s"], main["exposed_comm_s"]
+    b, gb = main["per_device_batch"], main["global_batch"]
     return Prediction(
         model=model, device=device, precision=precision, algorithm=algorithm, devices=devices,
-        devices_per_node=g, nodes=topo.nodes, global_batch=global_batch, per_device_batch=b,
-        forward_flops_per_image=cost.forward_flops, params=cost.params, gradient_bytes=grad_bytes,
+        devices_per_node=g, nodes=topo.nodes, global_batch=gb, per_device_batch=b,
+        forward_flops_per_image=main["forward_flops"], params=cost.params, gradient_bytes=grad_bytes,
         buckets=len(sizes), compute_time_s=t_c, forward_time_s=t_c / 3.0, backward_time_s=2.0 * t_c / 3.0,
-        comm_time_s=comm, exposed_comm_s=exposed, step_time_s=step, images_per_s=global_batch / step,
-        images_per_s_per_device=b / step, scaling_efficiency=t_c / step,        # 6.
-        scaling_efficiency_node=node_step / step,
-        mfu=3.0 * cost.forward_flops * global_batch / step / (devices * dev.peak_flops),
-        steps_per_epoch=steps_per_epoch, epochs=epochs, eval_time_s=eval_s, time_to_train_s=ttt, device_hours=hours,
-        cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
+        comm_time_s=main["comm_time_s"], exposed_comm_s=exposed, step_time_s=step, images_per_s=gb / step,
+        images_per_s_per_device=b / step, scaling_efficiency=t_c / (t_c + exposed),        # 6.
+        scaling_efficiency_node=main["node_busy_s"] / (t_c + exposed),
+        mfu=3.0 * main["forward_flops"] * gb / step / (devices * dev.peak_flops),
+        steps_per_epoch=math.ceil(dataset_size / gb), epochs=epochs, eval_time_s=eval_total, time_to_train_s=ttt,
+        device_hours=hours, cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
         hardware_usd=None if price is None else devices * float(price), stack=stack, torus_grid=grid,
-        notes=notes)
+        notes=notes, stack_reason=reason, data_time_s=main["data_time_s"],
+        compute_total_s=sum(r["steps"] * r["compute_time_s"] for r in rows),
+        exposed_comm_total_s=sum(r["steps"] * r["exposed_comm_s"] for r in rows),
+        data_total_s=sum(r["steps"] * r["data_time_s"] for r in rows), image_size=main["image_size"],
+        phases=[{k: v for k, v in r.items() if k != "node_busy_s"} for r in rows] if len(rows) > 1 else [])

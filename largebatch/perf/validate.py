@@ -12,8 +12,9 @@
 3. A row whose figure was used to set a catalog input is marked FIT: it shows the fit, it does
    not validate the model. Compute is fitted to single-node figures only; no multi-node run is a FIT
    except You et al.'s KNL run (no single-node KNL figure exists).
-4. An MLPerf row uses its release's stack (`mlperf-v0.5` ... `mlperf-v3.0`, each fitted to that release's
-   own single-node log; v0.7's is `mlperf-2020`, the device curves' own).
+4. An MLPerf row uses its release's stack (`mlperf-v0.5` ... `mlperf-v4.0`, each fitted to that release's
+   own single-node log; v0.7's is `mlperf-2020`, the device curves' own). largebatch's own measured step (the
+   `largebatch` stack, one H200) is a FIT row per precision, predicted with the default stack.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Row:
 RN50: dict[str, Any] = dict(model="resnet50", dataset_size=IMAGENET)
 
 
-def _ips(device: str, n: int, per_gpu: int, stack: str, precision: str = "fp16", per_node: int = 8,
+def _ips(device: str, n: int, per_gpu: int, stack: str | None, precision: str = "fp16", per_node: int = 8,
          intra: str | None = None) -> float:
     """images/s of a single-node (or single-GPU) throughput table row."""
     return predict(device=device, devices=n, devices_per_node=per_node, intra_node=intra, global_batch=n * per_gpu,
@@ -282,6 +283,8 @@ def rows() -> list[Row]:
         ("v2.0", "1x DGX A100", "dgxa100_ngc22.04_mxnet result_0.txt", "a100", 408, 27164.07, "mlperf-v2.0 factor"),
         ("v3.0", "1x DGX H100", "dgxh100_ngc23.04_mxnet result_0.txt", "h100", 400, 56078.48,
          "mlperf-v3.0 H100 factor (per-stack device factor)"),
+        ("v4.0", "1x HGX H200", "h200_ngc24.04_mxnet result_0.txt", "h200", 400, 63608.0,
+         "mlperf-v4.0 H200 factor (per-stack device factor); median logged epoch throughput from epoch 2"),
     ]
     for release, system, log, dev, b, published, what in release_fits:
         out.append(Row(f"MLPerf {release} NVIDIA {system} ({log})", f"8 {dev.upper()}, {b} per GPU", "images/s",
@@ -314,6 +317,17 @@ def rows() -> list[Row]:
                    "single node of the mlperf-v3.0 H100 fit's configuration (8 H100, MXNet 23.04, batch 3,200); "
                    "batch and epochs from that fit's log (dgxh100_ngc23.04_mxnet result_0.txt, 13.60 min); "
                    "evaluation every 4 epochs modelled"))
+    h200 = predict(device="h200", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3200,
+                   precision="fp16", epochs=35, stack="mlperf-v4.0", **RN50)
+    out.append(Row("MLPerf Training v4.0 (FACTS.md)", "8 H200, batch 3,200, 35 epochs", "time-to-train (min)",
+                   12.03, h200.time_to_train_s / 60, "FIT (input)",
+                   "single node of the mlperf-v4.0 H200 fit's configuration (8 H200, MXNet 24.04, 400 per GPU, "
+                   "h200_ngc24.04_mxnet result_0.txt); evaluation every 4 epochs modelled"))
+    for prec, published in (("fp16", 5610.62), ("bf16", 4413.28)):   # largebatch's own step: the default stack
+        out.append(Row("largebatch bench train (docs/gpu/bench_train.json, 2026-11-26)",
+                       f"1 H200 {prec} channels_last, 256 per GPU", "images/s", published,
+                       _ips("h200", 1, 256, None, precision=prec), "FIT (input)",
+                       f"largebatch stack's H200 {prec} factor, the H200's default stack at {prec}"))
     knl = predict(device="xeon-phi-7250", devices=2048, devices_per_node=1, inter_node="omnipath",
                   algorithm="ring", global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
     out.append(Row("You et al. 1709.05011", "2,048 KNL, batch 32K, 90 epochs", "time-to-train (min)",
