@@ -8,7 +8,7 @@ NPROC   ?= 2
 RECIPE  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test bench clean-runs system-deps gpu-wheels gpu-check
+.PHONY: setup train test test-fast bench clean-runs system-deps gpu-wheels gpu-check
 
 setup: $(STAMP) system-deps
 
@@ -38,6 +38,16 @@ test: setup
 	$(VENV)/bin/ruff check largebatch tests scripts
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The fast tier while changing code: unit tests of the step, optimizers, schedule, config, models, data and the
+# golden losses, without subprocesses or process groups (those tests are marked slow); make test runs everything.
+FAST_TESTS := tests/test_optim.py tests/test_step_sync.py tests/test_golden_losses.py tests/test_schedule.py \
+              tests/test_config.py tests/test_layers.py tests/test_models.py tests/test_comm_units.py \
+              tests/test_gpu_jpeg.py tests/test_noise_scale.py tests/test_scoring.py tests/test_data.py \
+              tests/test_data_imagefolder.py
+test-fast: setup
+	$(VENV)/bin/ruff check largebatch tests scripts
+	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
 
 clean-runs:
 	rm -rf runs

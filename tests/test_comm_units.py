@@ -128,6 +128,7 @@ def test_parse_sizes() -> None:
         parse_sizes("4XB")
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 @pytest.mark.timeout(180)
 def test_bench_cli_runs_two_workers(tmp_path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
@@ -150,6 +151,7 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
     assert bad.returncode == 2 and "rign" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 @pytest.mark.timeout(240)
 def test_bench_native_composed_and_training_keys(tmp_path) -> None:
     """torus2d:native / hierarchical:native run beside native; --training writes exposed_ms per hook and ddp_exposed_ms."""

@@ -53,6 +53,7 @@ def _assert_user_error(proc, *fragments):
         assert f in lines[0], lines[0]
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_cli_bad_inputs(cli, tmp_path):
     _assert_user_error(cli("train", "no_such_recipe", "--dry-run"), "no recipe named 'no_such_recipe'")
     bad_yaml = tmp_path / "bad.yaml"
@@ -69,6 +70,7 @@ def test_cli_bad_inputs(cli, tmp_path):
     _assert_user_error(cli("bogus"), "unknown command")
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_missing_and_truncated_dataset(cli, tmp_path):
     _assert_user_error(cli("train", "--set", f"data.root={tmp_path / 'nowhere'}", "--dry-run"),
                        "apt-get install -y dataset-fashion-mnist")
@@ -81,6 +83,7 @@ def test_missing_and_truncated_dataset(cli, tmp_path):
     _assert_user_error(cli("train", "--set", f"data.root={root}", "--dry-run"), "train-images-idx3-ubyte")
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_bad_input_loses_nothing(cli, tmp_path):
     """A rejected resume leaves the run directory's checkpoints and metrics as they were."""
     run = tmp_path / "run"

@@ -213,6 +213,7 @@ def test_validation_split_is_disjoint_exact_and_the_same_for_every_seed():
             build_data(replace(cfg, val_split=bad), seed=0)
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_a_run_with_a_validation_split_evaluates_on_it(tmp_path, one_thread):
     from largebatch.config import from_dict
     from largebatch.trainer import Trainer

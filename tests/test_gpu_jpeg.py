@@ -153,6 +153,7 @@ def test_an_image_the_decoder_rejects_is_dropped_and_named(tmp_path):
     assert y.tolist() == [i for i in range(len(paths)) if i != 3] and x.shape[0] == len(paths) - 1
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_data_decode_gpu_where_it_cannot_run_is_one_sentence(tmp_path, cli):
     if torch.cuda.is_available():
         pytest.skip("this machine can decode on the GPU; tests/test_cuda.py covers it")

@@ -75,6 +75,7 @@ def _two_ranks(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_two_gloo_processes_recover_the_known_noise_scale():
     out = mp.Manager().dict()
     mp.spawn(_two_ranks, args=(_free_port(), out), nprocs=2, join=True)
@@ -82,6 +83,7 @@ def test_two_gloo_processes_recover_the_known_noise_scale():
     assert out[0] == pytest.approx(TRUE_B_SIMPLE, rel=0.05)
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 @pytest.mark.timeout(300)
 def test_training_logs_and_plots_the_noise_scale(cli, tmp_path):
     run = tmp_path / "run"

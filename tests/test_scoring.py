@@ -82,6 +82,7 @@ def _two_ranks(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_two_processes_count_every_image_once_and_average_buffers():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -235,6 +235,7 @@ def test_where_a_cuda_graph_applies_and_the_sentences_where_it_does_not():
             graph.plan("on", device, world, noise)
 
 
+@pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast
 def test_cuda_graph_on_without_cuda_is_one_sentence_and_exit_2(tmp_path, cli):
     proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "train.cuda_graph=on",
                "--set", "data.dataset=synthetic", "--set", "train.max_steps=1", "--set", "train.device=cpu")
