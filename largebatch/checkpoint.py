@@ -16,10 +16,16 @@
    hand, a file named like one, a checkpoint of a version that kept no manifest) is never deleted
    and does not count towards `keep`. Files are written with O_NOFOLLOW into a directory that is no
    symbolic link: a link is refused, never written through.
+8. The two writers of every file a run (and `evaluate`, `bench --json`, `plan --calibrate`, `chaos`) writes:
+   `atomic_write` (whole or absent: steps 2's temporary name, fsync, rename; the temporary removed on any
+   failure) and `append_whole` for the append-only files (metrics.jsonl, the manifest: a line is appended
+   whole or not at all, a write cut short by a full disk is cut back). Their OSError names the path.
 A kill at any moment leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -47,6 +53,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, or is as it was: the bytes go to a temporary name in the same directory
+    (O_NOFOLLOW), are fsync'ed and renamed over `path`. On any failure (a full disk, an interrupt) the temporary
+    file is removed and the OSError names `path` (a failed write names no file of its own)."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     try:
         # O_NOFOLLOW: a symbolic link at the temporary name is refused (ELOOP), never written through; the
@@ -56,10 +65,30 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:   # a full disk, or an interrupt: no half-written temporary file stays behind
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:   # a full disk, or an interrupt: no half-written temporary file stays behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP and exc.filename in (None, str(tmp)):
+            exc.filename = str(path)
         raise
     _fsync_dir(path.parent)
+
+
+def append_whole(fd: int, data: bytes, path: Path) -> None:
+    """Append `data` (whole lines) to the file open at `fd` (O_APPEND), whole or not at all: a write cut short
+    (a full disk) is undone by cutting the file back to its size before, so no torn line stays behind for a
+    reader, and the OSError names `path`."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 def save(state: dict, directory: Path, step: int, *, keep: int | None = None, meta: dict | None = None) -> Path:
@@ -92,7 +121,7 @@ def _record(directory: Path, names: list[str]) -> None:
     """Step 7: append `names` to the manifest, in one write (a kill cannot leave half a line)."""
     fd = os.open(directory / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, "".join(f"{n}\n" for n in names).encode())
+        append_whole(fd, "".join(f"{n}\n" for n in names).encode(), directory / MANIFEST)
         os.fsync(fd)
     finally:
         os.close(fd)

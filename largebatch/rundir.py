@@ -27,8 +27,9 @@
    - a directory that holds a run: with `--resume`; the files of others in it are left alone.
 8. A run writes only inside its own directory: none of its own names (`OWN_FILES`, `OWN_DIRS`) may
    be a symbolic link, nor any entry of its sub-directories (a link there would be written through,
-   or replaced, or deleted by pruning). `open_own` and `own_dir` are the writers' side: files opened
-   with O_NOFOLLOW, sub-directories that are no links. What it deletes: `checkpoint.prune` removes only
+   or replaced, or deleted by pruning). `open_own`, `write_own` and `own_dir` are the writers' side: files
+   opened with O_NOFOLLOW (`write_own`: whole or absent, through `checkpoint.atomic_write`), sub-directories
+   that are no links. What it deletes: `checkpoint.prune` removes only
    checkpoints the run recorded in its manifest as written by it.
 """
 from __future__ import annotations
@@ -152,6 +153,22 @@ def open_own(path: Path, mode: str = "w"):
     return os.fdopen(fd, mode)
 
 
+def write_own(path: Path, data: bytes) -> None:
+    """Step 8: one of a run's files written whole or not at all (`checkpoint.atomic_write`: a temporary name
+    opened with O_NOFOLLOW, fsync, rename; a full disk leaves the old file or none); a symbolic link at `path` is
+    refused with `link_sentence` (the rename would replace it, never write through it)."""
+    from largebatch.checkpoint import atomic_write
+
+    if path.is_symlink():
+        raise UserError(link_sentence(path))
+    try:
+        atomic_write(path, data)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:   # a link made at the temporary name
+            raise UserError(link_sentence(Path(exc.filename or path))) from None
+        raise
+
+
 def _holder(lock_path: Path) -> str:
     with contextlib.suppress(OSError):
         text = lock_path.read_text().strip()
@@ -240,7 +257,10 @@ def lock(path: Path, what: str = "run directory", flag: str = "--run-dir") -> Cl
             raise _in_use(path, what, flag) from None
         raise
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    # who holds it, for a refusal's message only: a full disk does not stop the lock (the first file the run
+    # writes then names itself in the full disk's sentence)
+    with contextlib.suppress(OSError):
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
     return Claim(path, fd)
 
 
