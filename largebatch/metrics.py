@@ -1,16 +1,23 @@
 """What a run reports: metrics.jsonl, a live progress display, the summary, plots.
 
 Only rank 0 writes. Values arrive here already as Python numbers: the trainer does its
-host syncs on logging steps only. Files are written with `rundir.open_own` (O_NOFOLLOW) into
-sub-directories from `rundir.own_dir`: a symbolic link among them is refused, never written through.
+host syncs on logging steps only. Files are written with O_NOFOLLOW (`rundir.open_own`, `rundir.write_own`)
+into sub-directories from `rundir.own_dir`: a symbolic link among them is refused, never written through.
+Each is whole or absent: summary.json, corrupt_images.txt and the plots are written to a temporary name,
+fsync'ed and renamed (`rundir.write_own`, through `checkpoint.atomic_write`); metrics.jsonl takes whole lines
+only (`checkpoint.append_whole`). A full disk is an OSError naming the file, which the command line turns into
+one sentence (exit 2), keeping what was written.
 """
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import shutil
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,8 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from largebatch.errors import fs_bytes
-from largebatch.rundir import open_own, own_dir
+from largebatch.checkpoint import append_whole
+from largebatch.errors import UserError, fs_bytes
+from largebatch.rundir import open_own, own_dir, write_own
 
 
 FLAGS_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
@@ -47,17 +55,22 @@ def machine(device) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; reopened in append mode so a resumed run continues it."""
+    """Appends one JSON object per line; reopened in append mode so a resumed run continues it.
+
+    A line is appended whole or not at all (`checkpoint.append_whole`): a full disk mid-line cuts the file back
+    and raises an OSError naming it, so the lines written before stay readable. A torn last line left by an
+    older writer killed mid-line is cut off when the log is reopened, so the next line does not join it."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.path = path
         self.enabled = enabled
-        self._f = open_own(path, "a") if enabled else None
+        self._f = open_own(path, "ab") if enabled else None
+        if self._f is not None:
+            _cut_torn_tail(self._f.fileno(), path)
 
     def write(self, record: dict) -> None:
         if self._f:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+            append_whole(self._f.fileno(), (json.dumps(record) + "\n").encode(), self.path)
 
     def close(self) -> None:
         if self._f:
@@ -65,15 +78,65 @@ class MetricsLog:
             self._f = None
 
 
+def _cut_torn_tail(fd: int, path: Path) -> None:
+    """Cut a last line without its newline off the log open at `fd` (it is half a record)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                os.ftruncate(fd, start + newline + 1)
+                return
+            end = start
+    os.ftruncate(fd, 0)
+
+
+# The fields of a record that readers use as numbers; the first ones of each kind must be there.
+NUMBERS = ("step", "epoch", "loss", "lr", "global_batch", "images_per_s", "data_wait_s", "nonfinite_steps", "time",
+           "top1", "top5", "noise_scale", "grad_sq", "grad_trace", "ensemble_top1", "ensemble_top5", "ensemble_loss",
+           "best_snapshot_top1")
+REQUIRED = {"train": ("step", "epoch", "loss"), "eval": ("step", "top1"), "ensemble": ("step",)}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, in order. A line that is no JSON (torn by a kill or a full disk mid-write,
+    which only an older writer left) is skipped; a line that is JSON but no record a run writes (not an object, a
+    kind that is no string, a number field that is no number, or a train or eval record without its numbers) is
+    a UserError naming the file and the line."""
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:   # a line cut by a kill mid-write
-            pass
+            continue
+        why = ""
+        if not isinstance(rec, dict):
+            why = f"a JSON {type(rec).__name__}, not an object"
+        elif "kind" in rec and not isinstance(rec["kind"], str):
+            why = f"its kind is {rec['kind']!r}"
+        else:
+            bad = next((k for k in NUMBERS if k in rec and not _is_number(rec[k])), None)
+            missing = next((k for k in REQUIRED.get(rec.get("kind", ""), ()) if k not in rec), None)
+            why = (f"its {bad} is {rec[bad]!r}, not a number" if bad else
+                   f"its {rec['kind']} record has no {missing}" if missing else "")
+        if why:
+            raise UserError(f"{path} line {number} is not a record a largebatch run writes ({why}); remove or fix "
+                            "that line (the file was changed by something other than the run).")
+        out.append(rec)
     return out
 
 
@@ -155,9 +218,10 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
-        with open_own(path, "wb") as f:
-            fig.savefig(f, format="png")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
         plt.close(fig)
+        write_own(path, buf.getvalue())   # whole or absent (a full disk), never through a link
         paths.append(path)
     return paths
 
@@ -171,6 +235,8 @@ class Timer:
 
 
 def write_tensorboard(run_dir: Path) -> None:
+    """The TensorBoard event file of metrics.jsonl, whole or absent: written into a temporary directory inside
+    tensorboard/ (a leftover of a killed run's is removed first), fsync'ed, then renamed into tensorboard/."""
     if (run_dir / "tensorboard").is_symlink():   # refused whether or not the package is there
         own_dir(run_dir / "tensorboard")
     try:
@@ -179,27 +245,48 @@ def write_tensorboard(run_dir: Path) -> None:
         print("largebatch: train.tensorboard needs the tensorboard package: pip install -e .[tensorboard]",
               file=sys.stderr)
         return
-    writer = SummaryWriter(str(own_dir(run_dir / "tensorboard")))
-    for rec in read(run_dir / "metrics.jsonl"):
-        for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
-            if key in rec:
-                writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
-    writer.close()
+    records = read(run_dir / "metrics.jsonl")
+    board = own_dir(run_dir / "tensorboard")
+    for old in board.glob(".tmp-events-*"):   # only rank 0 writes here, under the run's lock: a killed run's
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-events-", dir=board))
+    try:
+        writer = SummaryWriter(str(tmp))
+        for rec in records:
+            for key in ("loss", "lr", "global_batch", "images_per_s", "top1", "top5"):
+                if key in rec:
+                    writer.add_scalar(f"{rec['kind']}/{key}", rec[key], rec["step"])
+        writer.close()
+        for entry in sorted(tmp.iterdir()):
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(entry, board / entry.name)
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(board)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bool, tensorboard: bool) -> None:
-    """A finished run's files: summary.json, corrupt_images.txt (when any image was skipped: one name per line,
-    written as the bytes of the name on disk, so a name that is not UTF-8 is listed as it is; a newline inside
-    a name is written as the two characters \\n), the plots and the TensorBoard event file when asked for."""
-    with open_own(run_dir / "summary.json") as f:
-        f.write(json.dumps(summary, indent=2))
+    """A finished run's files, each whole or absent (`rundir.write_own`; a full disk is an OSError naming
+    the file): corrupt_images.txt (when any image was skipped: one name per line, written as the bytes of the
+    name on disk, so a name that is not UTF-8 is listed as it is; a newline inside a name is written as the two
+    characters \\n), the plots and the TensorBoard event file when asked for, and summary.json last: a run
+    directory with a summary.json holds all of its outputs (without it, --resume writes them)."""
     if corrupt:   # the names' bytes as on disk (any name, also one that is not UTF-8), one per line
-        with open_own(run_dir / "corrupt_images.txt", "wb") as f:
-            f.write(b"".join(fs_bytes(name).replace(b"\n", b"\\n") + b"\n" for name in corrupt))
+        write_own(run_dir / "corrupt_images.txt",
+                     b"".join(fs_bytes(name).replace(b"\n", b"\\n") + b"\n" for name in corrupt))
     if plots:
         plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
     if tensorboard:
         write_tensorboard(run_dir)
+    write_own(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
 def run_summary(*, recipe: str, run_dir: Path, last_eval: dict, progress, wall_s: float, epochs: float, steps: int,

@@ -190,7 +190,7 @@ def test_the_writers_refuse_links_that_appear_during_the_run(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl is a symbolic link"):
         metrics.MetricsLog(run / "metrics.jsonl").write({"kind": "train"})
     (run / "metrics.jsonl").unlink()
-    metrics.MetricsLog(run / "metrics.jsonl").write({"kind": "train", "step": 1, "loss": 1.0, "lr": 0.1,
+    metrics.MetricsLog(run / "metrics.jsonl").write({"kind": "train", "step": 1, "epoch": 0.1, "loss": 1.0, "lr": 0.1,
                                                      "global_batch": 8})
     (run / "summary.json").symlink_to(victim)
     with pytest.raises(UserError, match="summary.json is a symbolic link"):

@@ -137,6 +137,8 @@ def main(argv: list[str]) -> int:
                  batch=args.batch)
     if os.environ.get("RANK", "0") == "0":
         _print(result)
-        (args.run_dir / "evaluation.json").write_text(json.dumps(result, indent=2))
+        from largebatch.rundir import write_own
+
+        write_own(args.run_dir / "evaluation.json", json.dumps(result, indent=2).encode())   # whole or absent
         print(json.dumps(result), file=sys.stdout, flush=True)
     return 0

@@ -7,6 +7,7 @@ torch's elastic launcher, rendezvous bound to loopback) run the same code.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -168,6 +169,15 @@ def launch(args, argv: list[str]) -> int:
     return int(code)
 
 
+def out_of_space(err: OSError, run_dir: Path) -> str:
+    """A full disk (or quota) during a run, in one sentence: the file that could not be written and the fix. What
+    the run wrote is whole (checkpoints, metrics.jsonl's lines, config.yaml), so --resume continues it."""
+    room = "free space within your quota" if err.errno == errno.EDQUOT else "free space on that disk"
+    return (f"cannot write {err.filename or f'in run directory {run_dir}'}: {err.strerror or err}; {room} and run "
+            f"the same command with --resume --run-dir {run_dir} to continue (what the run wrote is kept), or give "
+            "another --run-dir.")
+
+
 def _announce(run_dir: Path) -> None:
     summary = run_dir / "summary.json"
     if summary.exists():
@@ -234,11 +244,15 @@ def main(argv: list[str]) -> int:
     # The ordered teardown, on every exit path: the Trainer stops and joins its threads (when building
     # fails part-way too, and at the end of fit), then barrier (success only: on an error the peers may
     # be gone) and destroy the groups while the interpreter is alive; cli.main ends the process.
+    run_at: Path | None = Path(run_dir) if run_dir else None   # named in a full disk's sentence
     try:
         trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
+        run_at = Path(trainer.run_dir)
         summary = trainer.fit()
-    except BaseException:
+    except BaseException as err:
         dist_mod.shutdown()
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) and run_at is not None:
+            raise UserError(out_of_space(err, run_at)) from None
         raise
     dist_mod.shutdown(barrier=True, timeout_s=min(cfg.comm.timeout_s, 300.0))
     if not under_torchrun and not summary.get("stopped"):
