@@ -136,7 +136,9 @@ def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: in
 
 def steps_lost(metrics: Path) -> list[int]:
     """Step 4: for every restart, the last step logged before it minus the step resumed from."""
-    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"kind": "train"' in l]
+    from largebatch.metrics import read
+
+    steps = [r["step"] for r in read(metrics) if r.get("kind") == "train"]   # a torn last line skipped
     lost = []
     for prev, cur in zip(steps, steps[1:]):
         if cur <= prev:
@@ -313,7 +315,9 @@ def main(argv: list[str]) -> int:
     }
     ok = rc == 0 and not bad and abs(diff) <= args.tolerance and len(kills) == args.kills
     report["passed"] = ok
-    (args.out / "chaos_report.json").write_text(json.dumps(report, indent=2))
+    from largebatch.checkpoint import atomic_write
+
+    atomic_write(args.out / "chaos_report.json", json.dumps(report, indent=2).encode())   # whole or absent
 
     # 5. report
     from rich.console import Console

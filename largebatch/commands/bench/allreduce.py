@@ -30,6 +30,7 @@ communication time per step, t(hook) - t(noop) (`measure_training`).
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from largebatch import comm
 from largebatch.commands.bench import machine
+from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.perf import measured as cost
 from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, IMPLS, TWO_LEVEL
@@ -421,8 +423,7 @@ def _write_json(args: Any, payload: dict[str, Any]) -> None:
     payload = {"command": "largebatch bench allreduce " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "allreduce"] else sys.argv[1:]),
                "machine": machine(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "load_average_1_5_15": list(os.getloadavg()), **payload}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(payload, f, indent=1)
+    atomic_write(Path(args.json), json.dumps(payload, indent=1).encode())   # whole or absent
 
 
 def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
@@ -446,8 +447,10 @@ def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix[1:] or "png")
     plt.close(fig)
+    atomic_write(Path(path), buf.getvalue())   # whole or absent
 
 
 # ---------------------------------------------------------------------------------------------

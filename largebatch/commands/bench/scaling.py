@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from largebatch.commands.bench import machine
+from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser
 from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
 from largebatch.errors import UserError
+from largebatch.metrics import read
 
 ALGORITHMS = ALLREDUCE + HOOK_ONLY
 
@@ -59,7 +61,7 @@ def run_training(args, world: int, algorithm: str, run_dir: Path) -> float:
             raise UserError(f"the {world}-worker run with comm.algorithm={algorithm} was refused: "
                             f"{tail.splitlines()[-1] if tail else 'no message'}")
         raise RuntimeError(f"training run failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read(run_dir / "metrics.jsonl")   # a torn last line skipped, a foreign one one sentence
     train = [r for r in records if r["kind"] == "train"]
     if len(train) < 2:
         raise RuntimeError(f"expected two logged stretches in {run_dir / 'metrics.jsonl'}, got {len(train)}")
@@ -140,5 +142,5 @@ def main(argv: list[str]) -> int:
         print(f"  {a:<17} {res['images_per_s']:8.1f} img/s  efficiency {res['efficiency']:.1%}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        atomic_write(args.json, (json.dumps(out, indent=2)).encode())   # whole or absent
     return 0

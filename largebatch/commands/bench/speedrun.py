@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
           f"best top-1 {out['best_top1']:.4f} in {t_train:.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        atomic_write(args.json, (json.dumps(out, indent=2)).encode())   # whole or absent
     return 0
 
 

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from largebatch.commands.bench import machine
+from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.config import check_threads
 from largebatch.errors import UserError
@@ -394,5 +395,5 @@ def main(argv: list[str]) -> int:
         print(f"best / {reference[0]} ({reference[1]:.0f} img/s): {out['vs_reference']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        atomic_write(args.json, (json.dumps(out, indent=2)).encode())   # whole or absent
     return 0
