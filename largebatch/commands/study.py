@@ -748,7 +748,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 console.print(f"study: cell {label} stopped by signal {stop.signum} with a checkpoint; it resumes "
                               "when the study is run again")
             elif proc.returncode == 2 and diverged:   # a result, not a failure: this lr is too large here
-                diverged_path.write_text(diverged[-1] + "\n")
+                write_file(diverged_path, diverged[-1] + "\n")   # whole or absent (a full disk)
                 console.print(f"study: {label} diverged")
             elif proc.returncode != 0:
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
