@@ -193,3 +193,22 @@ def test_calibrate_device_choice_and_gpu_entries(monkeypatch):
     assert dev["memory_gbs"] == pytest.approx(2 * 2**30 / 1e-3 / 1e9)
     one = calibrate.entries(res[:1], spec, when="then", gpu_name="GPU X")
     assert "links" not in one and one["devices"]["this-machine"]["default_intra"] == "none"
+
+
+def test_resolution_phases_cost_what_their_parts_cost(tmp_path):
+    """data.resolution_phases (progressive resizing): 10 epochs at 128 px then 6 at 224 px cost the two plans'
+    sum; a recipe file carrying them gives the same."""
+    kw = dict(model="resnet50", device="a100", devices=8, global_batch=1024, precision="bf16", eval_every=0)
+    whole = predict(epochs=16, image_size=224, resolution_phases=[(0, 128), (10, 224)], **kw)
+    parts = predict(epochs=10, image_size=128, **kw).time_to_train_s + predict(epochs=6, image_size=224,
+                                                                                **kw).time_to_train_s
+    assert whole.time_to_train_s == pytest.approx(parts, rel=1e-9)
+    assert [ph["image_size"] for ph in whole.phases] == [128, 224]
+    recipe = tmp_path / "progressive.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name": "resnet50", "stem": "imagenet"},
+        "data": {"dataset": "imagefolder", "image_size": 224, "train_size": 1281167,
+                 "resolution_phases": [{"start_epoch": 0, "image_size": 128}, {"start_epoch": 10, "image_size": 224}]},
+        "batch": {"global_batch": 1024}, "schedule": {"epochs": 16}, "train": {"precision": "bf16"}}))
+    out = plan_json(recipe, "--device", "a100", "--devices", 8, "--eval-images", 0)
+    assert out["time_to_train_s"] == pytest.approx(parts, rel=1e-9)
