@@ -230,10 +230,11 @@ class RunState:
     KEYS = ("model", "optimizer", "scaler", "step", "rng", "progress")   # what every checkpoint of a run holds
 
     def __init__(self, directory: Path, *, model, optimizer, scaler, ema, noise, comm_state, progress,
-                 config_hash: str, optimizer_name: str, keep: int | None, main: bool):
+                 config_hash: str, optimizer_name: str, keep: int | None, main: bool, meta: dict | None = None):
         self.directory, self.model, self.optimizer, self.scaler, self.ema = directory, model, optimizer, scaler, ema
         self.noise, self.comm_state, self.progress = noise, comm_state, progress
         self.config_hash, self.optimizer_name, self.keep, self.main = config_hash, optimizer_name, keep, main
+        self.meta = meta or {}   # written into every checkpoint's metadata (the trainer's: the config, the world size)
 
     def state_dict(self, step: int, session_wall: float) -> dict:
         return {
@@ -248,14 +249,21 @@ class RunState:
 
     def save(self, step: int, epoch: float, session_wall: float) -> Path:
         return save(self.state_dict(step, session_wall), self.directory, step, keep=self.keep,
-                    meta={"epoch": epoch, "config_hash": self.config_hash})
+                    meta={"epoch": epoch, "config_hash": self.config_hash, **self.meta})
 
-    def resume(self) -> int | None:
-        """The newest intact checkpoint loaded into every part; its step, or None when there is none yet
-        (said by the main process). A checkpoint that does not fit is one UserError naming the fix."""
+    def latest(self) -> tuple[Path, dict] | None:
+        """The newest intact checkpoint (`latest`; corrupt ones said by the main process only)."""
+        return latest(self.directory, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))
+
+    def resume(self, found: tuple[Path, dict] | None | str = "latest") -> int | None:
+        """The newest intact checkpoint (or `found`, the caller's `latest()`) loaded into every part; its step, or
+        None when there is none yet (said by the main process). A checkpoint that does not fit is one UserError
+        naming the fix. Which settings may differ from the checkpoint's is the caller's to judge
+        (`config.check_resume`: the trainer does it before building the model)."""
         from largebatch.errors import UserError
 
-        found = latest(self.directory, warn=(lambda m: print(m, file=sys.stderr)) if self.main else (lambda m: None))
+        if isinstance(found, str):
+            found = self.latest()
         if found is None:
             if self.main:
                 print(f"largebatch: no checkpoint in {self.directory}; starting from step 0.", file=sys.stderr)
@@ -288,8 +296,5 @@ class RunState:
             self.noise.load_state_dict(state["noise_scale"])
         self.progress.load_state_dict(state["progress"])
         if self.main:
-            if state.get("config_hash") != self.config_hash:
-                print("largebatch: warning: the config differs from the one the checkpoint was written with.",
-                      file=sys.stderr)
             print(f"largebatch: resumed from {path} at step {state['step']}.", file=sys.stderr)
         return state["step"]

@@ -663,7 +663,8 @@ def save(cfg: Config, path: Path) -> None:
 RESUMABLE = frozenset({
     "schedule.epochs",                  # more (or fewer) epochs: the decay is stretched from the resumed step on
     "batch.micro_batch", "batch.accumulation",   # the same global batch split otherwise, like another world size
-    "data.loader_workers", "data.on_corrupt", "data.decode", "data.gpu_cache_gb", "data.train_size",
+    "data.loader_workers", "data.on_corrupt", "data.decode", "data.gpu_decoder", "data.gpu_cache_gb",
+    "data.train_size",
     "train.device", "train.precision", "train.channels_last", "train.compile", "train.compile_mode",
     "train.cuda_graph", "train.threads", "train.deterministic",
     "train.log_every", "train.eval_every", "train.eval_flip", "train.ema", "train.noise_scale",

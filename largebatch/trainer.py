@@ -1,8 +1,8 @@
 """The training loop: synchronous data-parallel SGD with the large-batch recipe.
 
 `Trainer.__init__` reads top to bottom in the order things are built:
-device and process group -> run directory -> data -> step plan -> model -> DDP and comm
-hook -> optimizer -> precision -> checkpoint restore. `fit()` runs the steps.
+device and process group -> data -> run directory -> step plan -> what a resume changes -> model ->
+DDP and comm hook -> optimizer -> precision -> checkpoint restore. `fit()` runs the steps.
 
 The loop is `while step < total: train_step(); log(); maybe_evaluate(); maybe_checkpoint()`:
 `batches.BatchSource` yields each step's micro-batches (it owns the epoch, phase and collapse
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False):
+    def __init__(self, cfg: Config, run_dir: Path | None = None, *, resume: bool = False, quiet: bool = False,
+                 allow_change: tuple[str, ...] = ()):
         # what `close` stops, present even when building fails part-way (None only until `_build` sets it)
         self.watchdog: reliability.Watchdog | None = None
         self.comm_state: CommHookState | None = None
@@ -48,12 +49,12 @@ class Trainer:
         self.train_data: Source | None = None
         self.test_data: Source | None = None
         try:
-            self._build(cfg, run_dir, resume, quiet)
+            self._build(cfg, run_dir, resume, quiet, allow_change)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, cfg: Config, run_dir: Path | None, resume: bool, quiet: bool) -> None:
+    def _build(self, cfg: Config, run_dir: Path | None, resume: bool, quiet: bool, allow_change: tuple[str, ...]) -> None:
         from largebatch.data import build_data
         from largebatch.optim import build_ema, build_optimizer
 
@@ -78,15 +79,16 @@ class Trainer:
         self.stop = reliability.StopAgreement(self.info.distributed, self.device)
         self.faults = reliability.FaultInjector(self.info.rank)
 
-        # 2. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
-        self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
-                                                default_name=Path(cfg.recipe).stem, store=self.store)
-        self.ckpt_dir = self.run_dir / "checkpoints"
-
-        # 3. data
+        # 2. data, before the run directory: missing or damaged data leaves no directory behind (every rank
+        # builds its own; preflight compares them)
         self.train_data, self.test_data, self.data_info = build_data(cfg.data, t.seed)
         reliability.preflight(self.info, config_hash=cfg.hash(), train_size=len(self.train_data),
                               test_size=len(self.test_data))
+
+        # 3. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
+        self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
+                                                default_name=Path(cfg.recipe).stem, store=self.store)
+        self.ckpt_dir = self.run_dir / "checkpoints"
 
         # 4. the step plan: phases, accumulation, lr per step; the batch source that follows it
         self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
@@ -94,7 +96,11 @@ class Trainer:
         self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
         self.batches = BatchSource(self.plan, self.train_data, self.info.rank, self.info.world_size, t.seed)
 
-        # 5. model
+        # 5. what a resume changes: refused before anything is built or written, or accepted (recorded below)
+        found = checkpoint.latest(self.ckpt_dir, warn=self._say) if resume else None
+        self.resume_changes = self._resume_changes(cfg, found, allow_change) if resume else []
+
+        # 6. model
         torch.manual_seed(t.seed)   # identical initial weights on every rank and every world size
         self.model = model = build_classifier(cfg, self.data_info, self.device,
                                               use_channels_last(t.channels_last, self.device, t.precision))
@@ -103,7 +109,7 @@ class Trainer:
             print(f"largebatch: {model.channels_last_note}", file=sys.stderr, flush=True)
         self.ema = build_ema(model, t.ema)
 
-        # 6. data parallelism and the communication hook
+        # 7. data parallelism and the communication hook
         self.ddp: torch.nn.Module = model
         if self.info.distributed:
             self.ddp = dist_mod.wrap_ddp(model, self.device, cfg.comm.bucket_mb)
@@ -114,13 +120,13 @@ class Trainer:
         mode = None if t.compile_mode == "default" else t.compile_mode
         forward = torch.compile(self.ddp, mode=mode) if t.compile else self.ddp
 
-        # 7. optimizer (lr set per step from the plan)
+        # 8. optimizer (lr set per step from the plan)
         self.optimizer = build_optimizer(cfg.optim, model, lr=self.plan.lr(0))
         # Collapsed Ensemble: weight decay x factor in collapses (from these base values), snapshot steps.
         self.base_weight_decay = [g["weight_decay"] for g in self.optimizer.param_groups]
         self.snapshot_steps = set(self.plan.snapshot_steps())
 
-        # 8. precision, the gradient noise scale (on logging steps), the step itself and its CUDA graph
+        # 9. precision, the gradient noise scale (on logging steps), the step itself and its CUDA graph
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
         self.noise = NoiseScale.for_run(self.info.distributed, self.main) if t.noise_scale else None
         self.progress = Progress()
@@ -134,20 +140,71 @@ class Trainer:
         elif why_not and self.main:
             print(f"largebatch: training without a CUDA graph: {why_not}.", file=sys.stderr, flush=True)
 
-        # 9. state that checkpoints carry, restored on a resume
+        # 10. state that checkpoints carry, restored on a resume
         self.state = checkpoint.RunState(
             self.ckpt_dir, model=model, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema, noise=self.noise,
             comm_state=self.comm_state, progress=self.progress, config_hash=cfg.hash(), optimizer_name=cfg.optim.name,
-            keep=t.keep_checkpoints, main=self.main)
-        resumed = self.state.resume() if resume else None
+            keep=t.keep_checkpoints, main=self.main,
+            meta={"config": cfg.to_dict(), "world_size": self.info.world_size})   # what a resume compares with
+        resumed = self.state.resume(found) if resume else None
         self.step = resumed or 0
         self.saved_step = resumed   # the newest checkpoint's step: a stop right after a resume does not rewrite it
         self.last_eval: dict | None = None
         self.t_start: float | None = None
         self.metrics = metrics_mod.MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
         self.display = metrics_mod.ProgressDisplay(self.total_steps, self.step, enabled=self.main and not quiet)
-        if self.main and not (self.run_dir / "config.yaml").exists():   # also a --resume that found nothing
+        # config.yaml is the run's settings (`evaluate` reads them): written at the start and on an accepted change
+        if self.main and (self.resume_changes or not (self.run_dir / "config.yaml").exists()):
             save_config(cfg, self.run_dir / "config.yaml")
+        if self.resume_changes:
+            self._record_resume(found)
+
+    # ------------------------------------------------------------------ what a resume changes
+    def _say(self, line: str) -> None:
+        if self.main:
+            print(line, file=sys.stderr, flush=True)
+
+    def _resume_changes(self, cfg: Config, found: tuple[Path, dict] | None,
+                        allow_change: tuple[str, ...]) -> list[tuple[str, object, object]]:
+        """The settings (and the world size) that differ from those the newest checkpoint was written with (its
+        metadata's config; config.yaml for a checkpoint of an older version; config.yaml when there is no
+        checkpoint, and then nothing was trained with them and every change is accepted). Refused in one
+        sentence (`config.check_resume`): a change of what the run is that `allow_change` does not name, and any
+        change that would make the epoch count jump (the checkpoint's epoch against this plan's at its step)."""
+        from largebatch import config as config_mod
+
+        meta = found[1] if found is not None else {}
+        old = meta.get("config")
+        if not isinstance(old, dict):
+            path = self.run_dir / "config.yaml"
+            old = config_mod.load_yaml(path, what="run config") if path.is_file() else {}
+        changes = config_mod.resume_changes(old, cfg)
+        if found is None:
+            return changes
+        config_mod.check_resume(changes, list(allow_change), self.run_dir)
+        step, epoch = meta.get("step"), meta.get("epoch")
+        if isinstance(step, int) and isinstance(epoch, (int, float)) and abs(self.plan.epoch_float(step) - epoch) > 1e-6:
+            phase = self.plan.phase_at(step)
+            raise UserError(f"checkpoint {found[0]} was written at step {step}, epoch {epoch:.6g}, but with these "
+                            f"settings ({self.plan.train_size} training images, global batch {phase.global_batch}) step "
+                            f"{step} is epoch {self.plan.epoch_float(step):.6g}, so the epoch count would jump; resume "
+                            "with the data and batch settings the run was trained with (its config.yaml), or start a "
+                            "new run with a fresh --run-dir.")
+        world = meta.get("world_size")
+        if isinstance(world, int) and world != self.info.world_size:   # legitimate (same global batch); recorded
+            changes.append(("world size", world, self.info.world_size))
+        return changes
+
+    def _record_resume(self, found: tuple[Path, dict] | None) -> None:
+        """An accepted change: config.yaml was rewritten (above); a "resume" entry in metrics.jsonl and one line."""
+        from largebatch.config import shown
+
+        changes = {key: [old, new] for key, old, new in self.resume_changes}
+        self.metrics.write({"kind": "resume", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
+                            "checkpoint": found[0].name if found else None, "changes": changes})
+        listed = ", ".join(f"{key} {shown(old)} -> {shown(new)}" for key, (old, new) in changes.items())
+        self._say(f"largebatch: resuming at step {self.step} with changed settings: {listed} (recorded in "
+                  f"{self.run_dir / 'config.yaml'} and as a resume entry in metrics.jsonl).")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:

@@ -275,11 +275,17 @@ def test_checkpoints_that_do_not_fit(cli, main, tmp_path):
     run = tmp_path / "run"
     cli("train", *TINY, "--run-dir", run, check=True)
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
-    # resume with another model, another optimizer: the sentence names what differs, nothing is touched
+    # resume with another model, another optimizer: the sentence names what differs, nothing is touched (and with
+    # --allow-change, the checkpoint that does not fit is named)
     _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume"),
-            "does not fit this model", "size mismatch", "recipe and --set options the run was started with")
+            "would change what the run is: model.width 4 -> 8", "--allow-change model.width")
+    _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume", "--allow-change",
+                 "model.width"), "does not fit this model", "size mismatch",
+            "recipe and --set options the run was started with")
     _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume"),
-            "was written with optim.name=sgd but this run uses lamb")
+            "optim.name sgd -> lamb")
+    _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume", "--allow-change",
+                 "optim.name"), "was written with optim.name=sgd but this run uses lamb")
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     # evaluate --checkpoint: a foreign file, a directory, another run's model
     junk = tmp_path / "junk.pt"

@@ -1,4 +1,4 @@
-"""`largebatch train [RECIPE] [--set section.key=value ...] [--nproc-per-node N] [--run-dir DIR] [--resume] [--dry-run]`
+"""`largebatch train [RECIPE] [--set section.key=value ...] [--nproc-per-node N] [--run-dir DIR] [--resume [--allow-change KEY]] [--dry-run]`
 
 One launch path: the program reads the torchrun environment, so
 `torchrun --nproc-per-node N -m largebatch train RECIPE` and
@@ -33,6 +33,9 @@ def parser() -> ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<recipe>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint of --run-dir (default: the newest run of the recipe)")
+    p.add_argument("--allow-change", action="append", default=[], metavar="SECTION.KEY",
+                   help="with --resume: accept a change of a setting that is part of what the run is (e.g. data.root "
+                        "after the data moved); the change is recorded in the run (repeatable; docs/reliability.md)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
     p.add_argument("--world-size", type=int, default=None,
                    help="with --dry-run: resolve the plan for this many workers (e.g. 2048)")
@@ -209,6 +212,7 @@ def _check_launch(nproc_per_node: int) -> None:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = config_mod.load(args.recipe, args.overrides)
+    allow_change = tuple(config_mod.check_allow_change(args.allow_change))
     under_torchrun = "LOCAL_RANK" in os.environ
     if under_torchrun and args.nproc_per_node is not None and not args.dry_run:
         _check_launch(args.nproc_per_node)
@@ -241,12 +245,16 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--resume found no run of {cfg.recipe!r} under runs/; give --run-dir.")
     from largebatch import dist as dist_mod
 
+    if run_dir is not None and not under_torchrun:   # one process: refuse before building the data, as `launch` does
+        from largebatch import rundir                 # (the trainer checks again under the lock)
+
+        rundir.check(run_dir, resume)
     # The ordered teardown, on every exit path: the Trainer stops and joins its threads (when building
     # fails part-way too, and at the end of fit), then barrier (success only: on an error the peers may
     # be gone) and destroy the groups while the interpreter is alive; cli.main ends the process.
     run_at: Path | None = Path(run_dir) if run_dir else None   # named in a full disk's sentence
     try:
-        trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet)
+        trainer = Trainer(cfg, run_dir, resume=resume, quiet=args.quiet, allow_change=allow_change)
         run_at = Path(trainer.run_dir)
         summary = trainer.fit()
     except BaseException as err:
