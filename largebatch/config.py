@@ -54,7 +54,9 @@ class Section:
 
 @dataclass
 class ModelConfig(Section):
-    name: str = _doc("resnet18", "architecture from largebatch.models.MODELS")
+    name: str = _doc("resnet18", "architecture from largebatch.models.MODELS, or a model from elsewhere: timm:NAME, "
+                                 "torchvision:NAME, or package.module:factory (called with num_classes; "
+                                 "largebatch/models/external.py)")
     stem: str = _choices("auto", "imagenet", "small",
                          doc="ImageNet 7x7/2 stem + max-pool, a 3x3/1 stem for 28-32 px images, "
                              "or auto (small when data.image_size <= 64)")
@@ -63,19 +65,25 @@ class ModelConfig(Section):
 
     def validate(self) -> None:
         super().validate()
-        from largebatch.models import MODELS
+        from largebatch.models import MODELS, check_model_name, external
 
-        if self.name not in MODELS:
+        if external.is_external(self.name):   # model.width and model.stem do not apply (the run says so)
+            check_model_name(self.name, "model.name")
+        elif self.name not in MODELS:
             raise UserError(f"model.name is {self.name!r}{_suggest(self.name, list(MODELS))}; "
-                            f"valid models: {', '.join(MODELS)}.")
+                            f"valid models: {', '.join(MODELS)}, or timm:NAME, torchvision:NAME, "
+                            "package.module:factory.")
 
 
 @dataclass
 class DataConfig(Section):
-    dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic",
-                            doc="data source")
+    dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic", "webdataset",
+                            doc="data source (webdataset: tar shards as published, largebatch/data/wds.py)")
     root: str = _doc("/usr/share/datasets/fashion-mnist",
-                     "directory of the IDX files, of train/ and val/ class folders, or of tar shards")
+                     "directory of the IDX files, of train/ and val/ class folders, or of tar shards; webdataset: "
+                     "a directory of shards or a brace pattern of the training shards (train-{000000..001023}.tar)")
+    val_root: Optional[str] = _doc(None, "webdataset: the evaluation shards, a directory or brace pattern (null: the "
+                                         "shards named *val* in data.root's directory, or its val/ folder)")
     image_size: int = _doc(28, "training crop size in pixels (evaluation resizes to size/0.875 then centre-crops for ImageFolder)")
     augment: bool = _doc(True, "random crop + horizontal flip for training (off during a collapse phase)")
     crop_padding: int = _doc(2, "padding of the random crop for in-memory small images")
@@ -89,7 +97,7 @@ class DataConfig(Section):
                                     "JPEG decoder where there is one; torchvision decodes whole images with nvJPEG; "
                                     "auto: nvImageCodec where it loads")
     gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off)")
-    num_classes: int = _doc(10, "classes of the synthetic source")
+    num_classes: int = _doc(10, "classes of the synthetic source, and of webdataset shards (labels 0..num_classes-1)")
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
     train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
     subset: Optional[int] = _doc(None, "train on a fixed random subset of this many training images (null = all)")
@@ -111,6 +119,9 @@ class DataConfig(Section):
         if self.decode == "gpu" and self.dataset != "imagefolder":
             raise UserError(f"data.decode gpu decodes JPEG folders (data.dataset imagefolder), not {self.dataset}; "
                             "set data.decode to cpu or auto.")
+        if self.val_root is not None and self.dataset != "webdataset":
+            raise UserError(f"data.val_root names webdataset evaluation shards and data.dataset is {self.dataset}; "
+                            "remove data.val_root or set data.dataset to webdataset.")
         if self.num_classes > MAX_CLASSES:
             raise UserError(f"data.num_classes is {self.num_classes}; give at most {MAX_CLASSES:,} classes "
                             "(the classifier head is num_classes x features weights).")

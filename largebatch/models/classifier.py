@@ -18,6 +18,8 @@ class Classifier(nn.Module):
         self.net = net
         self.channels_last = False   # the memory format it runs in (build_classifier), which batches must match
         self.channels_last_note: str | None = None   # why channels-last memory was asked for and not used
+        self.built: dict = {}   # what model.name built (external.Built.record): checkpoints record it
+        self.notes: list[str] = []   # said once by the run (e.g. zero-init asked for, not possible)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.normalize(x))
@@ -30,17 +32,24 @@ def _check_input_size(net: nn.Module, name: str, in_channels: int, size: int, ke
     try:
         with torch.no_grad():
             net(torch.zeros(1, in_channels, size, size))
-    except RuntimeError as err:
-        detail = " ".join(str(err).split())[:200]
-        raise UserError(f"model {name} cannot take {size}x{size}-pixel images ({detail}); give a larger {key}.") \
-            from None
+    except (RuntimeError, AssertionError, ValueError) as err:   # the last two: timm's shape asserts
+        external = ":" in name
+        if not external and not isinstance(err, RuntimeError):
+            raise
+        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        if external and "channel" in detail:
+            raise UserError(f"model {name} cannot take the data's {in_channels}-channel images ({detail}); make "
+                            "it for that many channels (a factory's in_channels argument).") from None
+        fix = f"set {key} to a size it takes" if external else f"give a larger {key}"
+        raise UserError(f"model {name} cannot take {size}x{size}-pixel images ({detail}); {fix}.") from None
     finally:
         net.train()
 
 
 def check_input_size(name: str, size: int, key: str, *, in_channels: int = 3, stem: str = "small") -> None:
     """Whether model `name` takes `size`-pixel images, before any run: a narrow net (the spatial reductions do not
-    depend on the width) on the meta device (shapes only, no memory); the same sentence as a run's, naming `key`."""
+    depend on the width) on the meta device (shapes only, no memory); the same sentence as a run's, naming `key`.
+    A model from elsewhere (`timm:`, `torchvision:`, a factory) is built at its own width on the meta device."""
     from largebatch.models import build_model
 
     with torch.device("meta"):
@@ -51,17 +60,23 @@ def check_input_size(name: str, size: int, key: str, *, in_channels: int = 3, st
 def build_classifier(cfg: Config, info, device: torch.device | None = None, channels_last: bool = False
                      ) -> Classifier:
     """The configured net behind the data set's normalization, on `device`, in channels-last memory if asked."""
-    from largebatch.models import Normalize, build_model
+    from largebatch.models import Normalize, build_model_recorded
 
     stem = cfg.model.stem
     if stem == "auto":
         stem = "small" if info.image_size <= 64 else "imagenet"
-    net = build_model(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels, stem=stem,
-                      zero_init_residual=cfg.model.zero_init_residual, width=cfg.model.width)
+    net, built = build_model_recorded(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels,
+                                      stem=stem, zero_init_residual=cfg.model.zero_init_residual,
+                                      width=cfg.model.width)
     smallest = min([info.image_size] + [p["image_size"] for p in cfg.data.resolution_phases])
     _check_input_size(net, cfg.model.name, info.in_channels, smallest,
                       "data.image_size" if smallest == info.image_size else "image_size in data.resolution_phases")
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
+    model.built = built.record()
+    model.notes = [built.note] if built.note else []
+    if ":" in cfg.model.name and (cfg.model.width != 64 or cfg.model.stem != "auto"):
+        model.notes.append(f"model.width {cfg.model.width} and model.stem {cfg.model.stem} apply to largebatch's own "
+                           f"models; {cfg.model.name} is built by its own constructor, which ignores them.")
     hazard = cpu_channels_last_hazard(model) if channels_last and (device is None or device.type == "cpu") else None
     if hazard:
         model.channels_last_note = (
