@@ -155,4 +155,9 @@ def _build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
         from largebatch.data.shards import build_shards
 
         return build_shards(cfg, seed)
-    raise UserError(f"data.dataset is {cfg.dataset!r}; valid: fashion_mnist, idx, imagefolder, shards, synthetic.")
+    if cfg.dataset == "webdataset":
+        from largebatch.data.wds import build_webdataset
+
+        return build_webdataset(cfg, seed)
+    raise UserError(f"data.dataset is {cfg.dataset!r}; valid: fashion_mnist, idx, imagefolder, shards, synthetic, "
+                    "webdataset.")

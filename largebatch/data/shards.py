@@ -445,6 +445,12 @@ class _ShardStream(IterableDataset):
         """Read by the workers, which start (fork) after this call: no state is sent later."""
         self.epoch, self.train, self.augment = epoch, train, augment
 
+    def _read(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[str, int, bytes, int]]:
+        """(name to list the image by if it is corrupt, key, image bytes, label) of each sample of `pieces`: the
+        one part a reader of another shard layout replaces (largebatch/data/wds.py)."""
+        for shard, key, data, label in _read_pieces(self.root, self.names, self.counts, pieces, self.num_classes):
+            yield f"{shard}/{key:09d}.jpg", key, data, label
+
     def _samples(self) -> Iterator[tuple[str, int, bytes, int]]:
         info = get_worker_info()
         worker = info.id if info else 0
@@ -453,7 +459,7 @@ class _ShardStream(IterableDataset):
         else:
             order = list(range(len(self.counts)))
         pieces = slot_ranges(self.counts, order, self.rank, self.world, self.workers)[worker]
-        stream = _read_pieces(self.root, self.names, self.counts, pieces, self.num_classes)
+        stream = self._read(pieces)
         if not self.train or self.buffer <= 1:
             yield from stream
             return
@@ -476,12 +482,12 @@ class _ShardStream(IterableDataset):
         labels, corrupt, keys = [], [], []
         damage = ""
         try:
-            for shard, key, data, label in self._samples():
+            for member, key, data, label in self._samples():
                 try:
                     jpeg.decode_crop(data, self.size, train=self.augment, min_scale=self.min_scale, seed=self.seed,
                                      epoch=self.epoch, index=key, out=out[len(labels)])
                 except jpeg.CorruptImage:
-                    corrupt.append(f"{shard}/{key:09d}.jpg")
+                    corrupt.append(member)
                     continue
                 labels.append(label)
                 keys.append(key)
@@ -499,13 +505,16 @@ class ShardSource:
     """A split of a shard directory, read by this rank's loader workers."""
 
     def __init__(self, root: Path, split: dict, *, num_classes: int, size: int, min_scale: float, seed: int,
-                 augment: bool, workers: int, on_corrupt: str, rank: int, world: int, buffer: int = 512) -> None:
+                 augment: bool, workers: int, on_corrupt: str, rank: int, world: int, buffer: int = 512,
+                 stream: type[_ShardStream] | None = None, repair: str = _FIX) -> None:
+        """`stream`: the worker-side reader (another shard layout's, e.g. wds.WdsStream); `repair`: the fix its
+        sentences name."""
         names = [s["name"] for s in split["shards"]]
         counts = [int(s["count"]) for s in split["shards"]]
         self.total = int(split["total"])
         self.rank, self.world = rank, world
-        self.augment, self.workers, self.on_corrupt = augment, workers, on_corrupt
-        self.stream = _ShardStream(root, names, counts, num_classes=num_classes, size=size, min_scale=min_scale,
+        self.augment, self.workers, self.on_corrupt, self.repair = augment, workers, on_corrupt, repair
+        self.stream = (stream or _ShardStream)(root, names, counts, num_classes=num_classes, size=size, min_scale=min_scale,
                                    seed=seed, buffer=buffer, rank=rank, world=world, workers=workers)
         self.corrupt: list[str] = []
         self.last_keys: list[torch.Tensor] = []  # keys of the samples of the last epoch (tests, audits)
@@ -539,8 +548,8 @@ class ShardSource:
                 self.corrupt += corrupt
                 skipped += len(corrupt)
                 if self.on_corrupt == "fail":
-                    raise UserError(f"corrupt image {corrupt[0]} in the shards; re-pack from a clean ImageFolder, "
-                                    f"or set data.on_corrupt=skip.")
+                    fix = "re-pack from a clean ImageFolder" if self.repair == _FIX else "replace it"
+                    raise UserError(f"corrupt image {corrupt[0]} in the shards; {fix}, or set data.on_corrupt=skip.")
             xs.append(x)
             ys.append(y)
             ks.append(k)
@@ -562,11 +571,12 @@ class ShardSource:
         expected = len(eval_shard(self.total, self.rank, self.world))
         if streamed + skipped != expected:   # the workers name a short shard; this is the backstop
             raise UserError(f"rank {self.rank} read {streamed + skipped} of its {expected} samples of the shards "
-                            f"(epoch {epoch}); a shard is shorter than {INDEX} says: {_FIX}.")
+                            f"(epoch {epoch}); a shard is shorter than its index says: {self.repair}.")
         if train:   # every sample read, yet too few for the epoch's steps: the corrupt ones were skipped
+            fix = ("remove them from the ImageFolder and re-pack with 'largebatch data pack'" if self.repair == _FIX
+                   else "replace them in the shards")
             raise UserError(f"rank {self.rank} ran out of training samples in epoch {epoch} after skipping {skipped} "
-                            f"corrupt images (data.on_corrupt=skip); remove them from the ImageFolder and re-pack "
-                            f"with 'largebatch data pack'.")
+                            f"corrupt images (data.on_corrupt=skip); {fix}.")
         if have:
             yield self._cut(xs, ys, ks, have)
 
