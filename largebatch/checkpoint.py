@@ -283,6 +283,11 @@ class RunState:
         if written_by != self.optimizer_name:   # its state would load, then fail (or mislead) at the first step
             raise UserError(f"checkpoint {path} was written with optim.name={written_by} but this run uses "
                             f"{self.optimizer_name}; {self.FIX}")
+        built, was = self.meta.get("model"), found[1].get("model")   # models/external.py: Built.record()
+        if built and isinstance(was, dict) and was.get("identity") != built.get("identity"):
+            raise UserError(f"checkpoint {path} was written by model {was.get('name')} ({was.get('identity')}; "
+                            f"{was.get('source')}) but this run builds {built['identity']} ({built['source']}); "
+                            f"install what the run was trained with, or {self.FIX}")
         restore(self.model, state["model"], "model", path, self.FIX)
         restore(self.optimizer, state["optimizer"], f"optimizer ({self.optimizer_name})", path, self.FIX)
         self.scaler.load_state_dict(state["scaler"])

@@ -107,6 +107,8 @@ class Trainer:
         self.channels_last = model.channels_last   # batches follow the model's memory format
         if model.channels_last_note and self.main:
             print(f"largebatch: {model.channels_last_note}", file=sys.stderr, flush=True)
+        for note in model.notes if self.main else []:   # e.g. a model from elsewhere without residual zero-init
+            print(f"largebatch: {note}", file=sys.stderr, flush=True)
         self.ema = build_ema(model, t.ema)
 
         # 7. data parallelism and the communication hook
@@ -145,7 +147,8 @@ class Trainer:
             self.ckpt_dir, model=model, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema, noise=self.noise,
             comm_state=self.comm_state, progress=self.progress, config_hash=cfg.hash(), optimizer_name=cfg.optim.name,
             keep=t.keep_checkpoints, main=self.main,
-            meta={"config": cfg.to_dict(), "world_size": self.info.world_size})   # what a resume compares with
+            meta={"config": cfg.to_dict(), "world_size": self.info.world_size,   # what a resume compares with
+                  "model": model.built})   # which model was built (models/external.py: Built)
         resumed = self.state.resume(found) if resume else None
         self.step = resumed or 0
         self.saved_step = resumed   # the newest checkpoint's step: a stop right after a resume does not rewrite it

@@ -3,7 +3,8 @@
     python scripts/gpu_check.py --mode gpu|cpu --out DIR
 
 0. The machine: GPU, driver, CUDA and torch versions (or the CPU model and flags).
-1. `pytest -m cuda`: the CUDA tests (tests/test_cuda.py); on CPU they skip, saying why.
+1. `pytest -m 'cuda or library'`: the CUDA tests (tests/test_cuda.py) and timm:/torchvision: models through
+   largebatch (tests/test_any_model.py); on CPU, or without those libraries, they skip, saying why.
 2. Throughput: `largebatch bench train` of ResNet-50 at 224 px with LARS and label smoothing 0.1, at batch
    256 and at MLPerf's 400 per GPU (GPU_CHECK_BATCHES), one GPU, in bf16 and fp16 channels_last, eager and as
    one CUDA graph (GPU_CHECK_CONFIGS adds torch.compile), beside timm's and torchvision's resnet50 through
@@ -149,8 +150,8 @@ def main() -> int:
     check.step("machine", machine_step)
 
     def tests() -> dict:
-        proc = check.sh([py, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-                        timeout=1800)
+        proc = check.sh([py, "-m", "pytest", "-m", "cuda or library", "-q", "-rs", "-p", "no:cacheprovider",
+                         "tests/test_cuda.py", "tests/test_any_model.py"], timeout=1800)
         summary = (proc.stdout.strip().splitlines() or [""])[-1]
         counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
         if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error"):

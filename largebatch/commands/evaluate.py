@@ -3,7 +3,8 @@
 Re-evaluates a finished run, distributed like training (each rank a contiguous shard of the
 test set, every image exactly once):
 
-1. Read RUN_DIR/config.yaml (the resolved config of the run) and build its data and model.
+1. Read RUN_DIR/config.yaml (the resolved config of the run) and build its data and model (any model.name:
+   largebatch's, timm:, torchvision: or a factory; a checkpoint that recorded another model is refused).
 2. Without --ensemble: load the newest intact checkpoint (or --checkpoint) and report top-1/top-5/loss.
 3. With --ensemble: load every snapshot in RUN_DIR/snapshots, report each one and the average of
    their softmax outputs (largebatch.ensemble); --swa adds the BN-recomputed weight average.
@@ -70,7 +71,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     model = build_classifier(cfg, data_info, device, use_channels_last(cfg.train.channels_last, device,
                                                                         cfg.train.precision))
     channels_last = model.channels_last
-    out: dict = {"run_dir": str(run_dir), "world_size": info.world_size}
+    out: dict = {"run_dir": str(run_dir), "world_size": info.world_size, "model": model.built}
     if use_ensemble:
         rec, _ = ensemble.evaluate_run(model, run_dir, train, test, info, device, batch=batch, bn_batch=batch,
                                        seed=cfg.train.seed, precision=cfg.train.precision,
@@ -91,6 +92,12 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
         except Exception as err:   # not a torch checkpoint, or not one of largebatch's
             raise UserError(f"--checkpoint {checkpoint_path} is not a largebatch checkpoint "
                             f"({type(err).__name__}); give a step-*.pt file from the run's checkpoints/.") from None
+        was = (checkpoint.verify(checkpoint_path.with_suffix(".json")) or {}).get("model")   # what the run built
+        if isinstance(was, dict) and was.get("identity") != model.built.get("identity"):
+            raise UserError(f"checkpoint {checkpoint_path} was written by model {was.get('name')} "
+                            f"({was.get('identity')}; {was.get('source')}) but the run's config builds "
+                            f"{model.built['identity']} ({model.built['source']}); install what the run was trained "
+                            "with.")
         checkpoint.restore(model, state, "run's model", checkpoint_path,
                            f"give a checkpoint written by the run in {run_dir}.")
         res = evaluate(model, test, info, device, precision=cfg.train.precision, channels_last=channels_last,
