@@ -131,9 +131,10 @@ def test_the_claims_table_judges_against_sgd_at_the_smallest_batch():
 
 
 def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path):
-    recs = [{"kind": "train", "epoch": e, "grad_sq": g2, "grad_trace": tr, "loss": 1.0}
-            for e, g2, tr in ((0.5, 1.0, 1000.0), (1.5, 2.0, 100.0), (2.0, 1.0, 500.0))]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs + [{"kind": "eval"}]))
+    recs = [{"kind": "train", "step": i, "epoch": e, "grad_sq": g2, "grad_trace": tr, "loss": 1.0}
+            for i, (e, g2, tr) in enumerate(((0.5, 1.0, 1000.0), (1.5, 2.0, 100.0), (2.0, 1.0, 500.0)))]
+    eval_rec = {"kind": "eval", "step": 3, "top1": 0.5}
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs + [eval_rec]))
     assert study._noise_scale(tmp_path) == pytest.approx((100.0 + 500.0) / (2.0 + 1.0))   # epochs >= 1.0 only
     assert study._noise_scale(tmp_path / "missing") is None
 
@@ -251,7 +252,7 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
         Path(c["run_dir"]).mkdir()
         losses = [(0.5, 2.0 + c["seed"]), (1.0, 1.0 + c["seed"])] + ([(1.5, 0.5)] if c["seed"] == 0 else [])
         Path(c["run_dir"], "metrics.jsonl").write_text("".join(
-            json.dumps({"kind": "train", "epoch": e, "loss": v}) + "\n" for e, v in losses))
+            json.dumps({"kind": "train", "step": i, "epoch": e, "loss": v}) + "\n" for i, (e, v) in enumerate(losses)))
     curves = sv.loss_curves(table, cells + [{"variant": "single", "lr": 9.0, "top1": 0.5, "run_dir": "absent"}])
     assert curves["single"] == [(0.5, 3.0, 2.0, 4.0), (1.0, 2.0, 1.0, 3.0)]
     sv.plot(table, tmp_path / "curves.png", "test", curves)

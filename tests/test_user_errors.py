@@ -280,8 +280,8 @@ def test_checkpoints_that_do_not_fit(cli, main, tmp_path):
     _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume"),
             "would change what the run is: model.width 4 -> 8", "--allow-change model.width")
     _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume", "--allow-change",
-                 "model.width"), "does not fit this model", "size mismatch",
-            "recipe and --set options the run was started with")
+                 "model.width"), "was written by model speedrun", "18,804 parameters", "this run builds",
+            "73,896 parameters", "recipe and --set options the run was started with")
     _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume"),
             "optim.name sgd -> lamb")
     _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume", "--allow-change",
@@ -295,7 +295,8 @@ def test_checkpoints_that_do_not_fit(cli, main, tmp_path):
     other = tmp_path / "other"
     cli("train", *TINY, "--set", "model.width=8", "--run-dir", other, check=True)
     path, _ = checkpoint.latest(other / "checkpoints")
-    _expect(main("evaluate", run, "--checkpoint", path), "does not fit this run's model")
+    _expect(main("evaluate", run, "--checkpoint", path), "was written by model speedrun", "73,896 parameters",
+            "but the run's config builds", "18,804 parameters", f"give a checkpoint written by the run in {run}")
 
 
 def test_full_disk_leaves_nothing_half_written(tmp_path):

@@ -96,7 +96,8 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
         if isinstance(was, dict) and was.get("identity") != model.built.get("identity"):
             raise UserError(f"checkpoint {checkpoint_path} was written by model {was.get('name')} "
                             f"({was.get('identity')}; {was.get('source')}) but the run's config builds "
-                            f"{model.built['identity']} ({model.built['source']}); install what the run was trained "
+                            f"{model.built['identity']} ({model.built['source']}); give a checkpoint written by the "
+                            f"run in {run_dir}, or, if it is the run's own, install the library the run was trained "
                             "with.")
         checkpoint.restore(model, state, "run's model", checkpoint_path,
                            f"give a checkpoint written by the run in {run_dir}.")
