@@ -94,7 +94,7 @@ def first_report(text: str) -> bool:
         import torch.distributed as dist
 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+                              timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
         key = (f"largebatch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt"
                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported/"
                f"{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from largebatch import cli as cli_mod
 from largebatch.commands import study
 from largebatch.commands.chaos import _descendants
 from largebatch.errors import UserError
@@ -103,7 +104,7 @@ def test_a_study_takes_no_directory_of_a_training_run_or_of_other_files(cli, tmp
             assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_a_damaged_study_json_or_summary_is_named_before_any_cell_trains(cli, tmp_path):
+def test_a_damaged_study_json_or_summary_is_named_before_any_cell_trains(cli, tmp_path, capsys):
     """A study.json cut short or of another shape, a cell's summary.json cut short or hand-edited: one sentence
     naming the file, exit 2, and every file as it was (the study neither trains nor rewrites anything)."""
     out = tmp_path / "study"
@@ -126,7 +127,8 @@ def test_a_damaged_study_json_or_summary_is_named_before_any_cell_trains(cli, tm
             (summary, b"[]", ["is not a run's summary (a JSON list)"])):
         path.write_bytes(damaged)
         before = files()
-        _refused(cli(*args), f"{path} ", *words)
+        code = cli_mod.main([str(a) for a in args])   # in this process: the refusal comes before any cell
+        _refused(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err), f"{path} ", *words)
         assert files() == before
         path.write_bytes(good_json if path.name == "study.json" else good_summary)
 

@@ -797,51 +797,53 @@ def main(argv: list[str]) -> int:
 
     console = Console(stderr=True)
     held = take_out(args.out, args.dry_run)
-    settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
-                "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
-                "lr_grid": args.lr_grid, "val_split": args.val_split,
-                "from_tuning": ", ".join(map(str, args.from_tuning)) or None}
-    stored = args.out / SETTINGS
-    if stored.exists() and not same_study(stored_settings(stored), settings, optimizers):
-        raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
-                        "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
-                        "add values), or use another --out.")
-    cell_dirs = [_cell_dir(args.out, b, o, s, lr) for b, o, lr, s in plan]
-    earlier = check_files(args.out, cell_dirs)   # step 6: before any cell trains (and before anything is written)
-    if not args.dry_run:
-        write_file(stored, json.dumps(settings, indent=2))
-    from largebatch.commands.bench import machine
-    import torch
-
-    meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,
-            "batches": batches, "optimizers": optimizers, "claims_only": args.claims_only, "train_size": train_size,
-            "machine": machine(torch.device("cpu"))}
-
-    cells: list[dict] = []
-    stop = None if args.dry_run else Stop()
-    if stop is not None:
-        stop.install()
-    for i, ((b, o, lr, s), run_dir) in enumerate(zip(plan, cell_dirs)):
-        if stop is not None and stop.signum is not None:
-            break
-        label = f"{o} batch {b}{'' if lr is None else f' lr {lr:g}'} seed {s}"
-        cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
-                **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console,
-                         earlier, stop)}
-        cells.append(cell)
+    try:
+        settings = {"recipe": args.recipe, "epochs": args.epochs, "nproc_per_node": args.nproc_per_node,
+                    "micro_batch": args.micro_batch, "overrides": args.overrides, "opt_set": args.opt_set,
+                    "lr_grid": args.lr_grid, "val_split": args.val_split,
+                    "from_tuning": ", ".join(map(str, args.from_tuning)) or None}
+        stored = args.out / SETTINGS
+        if stored.exists() and not same_study(stored_settings(stored), settings, optimizers):
+            raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
+                            "--recipe/--epochs/--set/--opt-set/--micro-batch/--nproc-per-node (an --lr-grid may only "
+                            "add values), or use another --out.")
+        cell_dirs = [_cell_dir(args.out, b, o, s, lr) for b, o, lr, s in plan]
+        earlier = check_files(args.out, cell_dirs)   # step 6: before any cell trains (and before anything is written)
         if not args.dry_run:
-            write_outputs(args.out, meta, cells, batches, optimizers)
-    table = summarise(cells) if args.dry_run else write_outputs(args.out, meta, cells, batches, optimizers)
-    if stop is not None and stop.signum is not None:
-        return stopped(args.out, stop.signum, console, held)
-    console.print(markdown(table, sorted(batches), optimizers))
-    if args.dry_run:
-        console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+            write_file(stored, json.dumps(settings, indent=2))
+        from largebatch.commands.bench import machine
+        import torch
+
+        meta = {"command": "largebatch study batch-scaling " + " ".join(argv), **settings, "seeds": args.seeds,
+                "batches": batches, "optimizers": optimizers, "claims_only": args.claims_only, "train_size": train_size,
+                "machine": machine(torch.device("cpu"))}
+
+        cells: list[dict] = []
+        stop = None if args.dry_run else Stop()
+        if stop is not None:
+            stop.install()
+        for i, ((b, o, lr, s), run_dir) in enumerate(zip(plan, cell_dirs)):
+            if stop is not None and stop.signum is not None:
+                break
+            label = f"{o} batch {b}{'' if lr is None else f' lr {lr:g}'} seed {s}"
+            cell = {"batch": b, "optimizer": o, "lr": lr, "seed": s,
+                    **run_cell(args, run_dir, cell_overrides(args, b, o, s, lr), label, f"{i + 1}/{len(plan)}", console,
+                             earlier, stop)}
+            cells.append(cell)
+            if not args.dry_run:
+                write_outputs(args.out, meta, cells, batches, optimizers)
+        table = summarise(cells) if args.dry_run else write_outputs(args.out, meta, cells, batches, optimizers)
+        if stop is not None and stop.signum is not None:
+            return stopped(args.out, stop.signum, console, held)
+        console.print(markdown(table, sorted(batches), optimizers))
+        if args.dry_run:
+            console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+            return 0
+        diverged = sum(bool(c.get("diverged")) for c in cells)
+        console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
+                      f"{f', {diverged} diverged' if diverged else ''} in {machine_time(cells)} of training; results in "
+                      f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
         return 0
-    diverged = sum(bool(c.get("diverged")) for c in cells)
-    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done"
-                  f"{f', {diverged} diverged' if diverged else ''} in {machine_time(cells)} of training; results in "
-                  f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
-    if held is not None:
-        held.release()
-    return 0
+    finally:   # an error or a stop after --out was taken releases it too (the flock of this process)
+        if held is not None:
+            held.release()

@@ -281,58 +281,60 @@ def run(kind: str, argv: list[str]) -> int:
 
     console = Console(stderr=True)
     held = study.take_out(args.out, args.dry_run)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
-    stored = args.out / study.SETTINGS
-    if stored.exists() and study.stored_settings(stored) != settings:
-        raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
-                        "arguments, or use another --out.")
-    order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
-    cell_dirs = [args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
-                 for name, lr, s in order]
-    earlier = study.check_files(args.out, cell_dirs)   # before any cell trains (and before anything is written)
-    if not args.dry_run:
-        study.write_file(stored, json.dumps(settings, indent=2))
-    import torch
+    try:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
+        stored = args.out / study.SETTINGS
+        if stored.exists() and study.stored_settings(stored) != settings:
+            raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
+                            "arguments, or use another --out.")
+        order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
+        cell_dirs = [args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
+                     for name, lr, s in order]
+        earlier = study.check_files(args.out, cell_dirs)   # before any cell trains (and before anything is written)
+        if not args.dry_run:
+            study.write_file(stored, json.dumps(settings, indent=2))
+        import torch
 
-    from largebatch.commands.bench import machine
+        from largebatch.commands.bench import machine
 
-    split = "validation" if args.val_split else "test"
-    meta = {"command": f"largebatch study {kind} " + " ".join(argv), "kind": kind, **settings,
-            "machine": machine(torch.device("cpu")), "split": split}
-    cells: list[dict] = []
-    stop = None if args.dry_run else study.Stop()
-    if stop is not None:
-        stop.install()
-    for i, ((name, lr, s), run_dir) in enumerate(zip(order, cell_dirs)):
-        if stop is not None and stop.signum is not None:
-            break
-        label = f"{name}{'' if lr is None else f' lr {lr:g}'} seed {s}"
-        cell = {"variant": name, "lr": lr, "seed": s,
-                **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console,
-                                 earlier, stop)}
-        cells.append(cell)
+        split = "validation" if args.val_split else "test"
+        meta = {"command": f"largebatch study {kind} " + " ".join(argv), "kind": kind, **settings,
+                "machine": machine(torch.device("cpu")), "split": split}
+        cells: list[dict] = []
+        stop = None if args.dry_run else study.Stop()
+        if stop is not None:
+            stop.install()
+        for i, ((name, lr, s), run_dir) in enumerate(zip(order, cell_dirs)):
+            if stop is not None and stop.signum is not None:
+                break
+            label = f"{name}{'' if lr is None else f' lr {lr:g}'} seed {s}"
+            cell = {"variant": name, "lr": lr, "seed": s,
+                    **study.run_cell(args, run_dir, sets_of(name, lr, s), label, f"{i + 1}/{len(order)}", console,
+                                     earlier, stop)}
+            cells.append(cell)
+            if args.dry_run:
+                continue
+            table = summarise(kind, cells)
+            study.write_file(args.out / "study.json", json.dumps({**meta, "cells": cells, "table": table}, indent=2))
+            machines = study.machines(cells)   # not str.capitalize(): it lowercases the CPU's name
+            study.write_file(args.out / "study.md", f"Command: `{meta['command']}`\n\n{machines[:1].upper() + machines[1:]}; "
+                             f"machine time of the finished cells: {study.machine_time(cells)}\n\n"
+                             + markdown(kind, table, split))
+            if any(n != "verdict" for n in table):
+                plot(table, args.out / "study.png", split, loss_curves(table, cells))
+        console.print(markdown(kind, summarise(kind, cells), split))
         if args.dry_run:
-            continue
-        table = summarise(kind, cells)
-        study.write_file(args.out / "study.json", json.dumps({**meta, "cells": cells, "table": table}, indent=2))
-        machines = study.machines(cells)   # not str.capitalize(): it lowercases the CPU's name
-        study.write_file(args.out / "study.md", f"Command: `{meta['command']}`\n\n{machines[:1].upper() + machines[1:]}; "
-                         f"machine time of the finished cells: {study.machine_time(cells)}\n\n"
-                         + markdown(kind, table, split))
-        if any(n != "verdict" for n in table):
-            plot(table, args.out / "study.png", split, loss_curves(table, cells))
-    console.print(markdown(kind, summarise(kind, cells), split))
-    if args.dry_run:
-        console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+            console.print(f"study: dry run, {len(cells)} cells listed; nothing written to {args.out}")
+            return 0
+        if stop is not None and stop.signum is not None:
+            return study.stopped(args.out, stop.signum, console, held)
+        console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done in "
+                      f"{study.machine_time(cells)} of training; results in "
+                      f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
         return 0
-    if stop is not None and stop.signum is not None:
-        return study.stopped(args.out, stop.signum, console, held)
-    console.print(f"study: {sum(c['top1'] is not None for c in cells)}/{len(cells)} cells done in "
-                  f"{study.machine_time(cells)} of training; results in "
-                  f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
-    if held is not None:
-        held.release()
-    return 0
+    finally:   # an error or a stop after --out was taken releases it too (the flock of this process)
+        if held is not None:
+            held.release()
 
 
 def main_batch_control(argv: list[str]) -> int:
