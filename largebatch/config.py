@@ -116,6 +116,13 @@ class DataConfig(Section):
             raise UserError(f"data.num_classes is {self.num_classes}; a classifier needs 2 or more classes.")
         if not 0 <= self.gpu_cache_gb <= 4096:
             raise UserError(f"data.gpu_cache_gb is {self.gpu_cache_gb}; give 0 (off) to 4096 GiB.")
+        if self.dataset in ("shards", "webdataset"):
+            for key in ("val_split", "subset"):
+                if getattr(self, key) is not None:
+                    raise UserError(f"data.{key} picks images by index, which a shard source streams in shard order "
+                                    f"and cannot do (the held-out images would be trained on); remove data.{key} "
+                                    "and give the validation images as shards of their own, or use "
+                                    "data.dataset imagefolder.")
         if self.decode == "gpu" and self.dataset != "imagefolder":
             raise UserError(f"data.decode gpu decodes JPEG folders (data.dataset imagefolder), not {self.dataset}; "
                             "set data.decode to cpu or auto.")

@@ -286,3 +286,14 @@ def test_corrupt_images_in_shards_are_listed_by_shard_and_key(packed, tmp_path):
     with pytest.raises(UserError, match=f"corrupt image {name}/{first} in the shards"):
         for rank, src in enumerate(_sources(root, "val", on_corrupt="fail")):
             list(src.batches(list(eval_shard(11, rank, 2).split(4)), train=False, epoch=0))
+
+
+@pytest.mark.parametrize("dataset", ["shards", "webdataset"])
+@pytest.mark.parametrize("key", ["val_split", "subset"])
+def test_a_split_by_index_of_a_shard_source_is_refused(dataset, key):
+    """A shard source streams its own shards and takes only the sizes of the index batches it is given, so a
+    validation split or subset chosen by index would be ignored (its held-out images trained on)."""
+    from largebatch import config
+
+    with pytest.raises(UserError, match=f"^data.{key} picks images by index, which a shard source streams"):
+        config.load("fashion_mnist", [f"data.dataset={dataset}", f"data.{key}=100"])
