@@ -4,6 +4,7 @@ not taken over; symbolic links among a run's own names are refused, never writte
 only the checkpoints the run recorded. Real files, real links, and the CLI as a user runs it."""
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -80,14 +81,19 @@ def test_a_link_to_a_system_directory_and_the_home_directory_are_refused(tmp_pat
     rundir.claim(home / "runs" / "a", resume=False).release()   # a directory under it is fine
 
 
-def test_a_study_out_is_no_system_or_home_directory(cli, tmp_path):
-    """A study's --out (it creates run directories under it) is checked before any work, in a dry run too."""
+def test_a_study_out_is_no_system_or_home_directory(tmp_path, monkeypatch, capsys):
+    """A study's --out (it creates run directories under it) is checked before any work, in a dry run too (in
+    this process: the refusal comes before anything starts)."""
+    from largebatch import cli as cli_mod
+
     home = tmp_path / "home"
     home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
     for command in (["study", "batch-scaling"], ["study", "batch-control"]):
         for out, fragment in (("/", "--out / is a system directory"), ("/etc", "--out /etc is a system directory"),
                               (home, "is your home directory")):
-            _user_error(cli(*command, "--out", out, "--dry-run", env={"HOME": str(home)}), fragment)
+            code = cli_mod.main([*command, "--out", str(out), "--dry-run"])
+            _user_error(subprocess.CompletedProcess(command, code, "", capsys.readouterr().err), fragment)
     assert list(home.iterdir()) == []
 
 
