@@ -18,6 +18,8 @@
    with the model's images/s from step 2?
 4. End to end: `largebatch train` of ResNet-50 for 200 steps on that JPEG tree (LARS, fp16, the CUDA
    graph, GPU decoding), images/s and data wait per step from its metrics, against the step alone.
+5. Calibrate (GPU mode only: on a CPU it takes minutes and tests/test_perf_calibrate.py covers it):
+   `largebatch plan --calibrate` on the GPU writes the machine's catalog entry into DIR.
 
 --mode cpu runs the same sequence with tiny sizes (a width-8 ResNet-18 at 32 px), so the script keeps
 working between GPU loans; the suite runs it. Every step's status, figures and time go to
@@ -235,6 +237,18 @@ def main() -> int:
             rec["vs_step_alone"] = round(rec["images_per_s"] / step_alone["configs"]["fp16-cl-graph"], 3)
         return rec
     check.step("train", train)
+
+    def calibrate() -> dict:
+        out = args.out / "this_machine.yaml"
+        proc = check.sh([py, "-m", "largebatch", "plan", "--calibrate", "--catalog-out", str(out)], timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"plan --calibrate exited {proc.returncode}")
+        import yaml
+
+        data = yaml.safe_load(out.read_text()) or {}
+        return {"catalog": str(out), "sections": {k: sorted(v) for k, v in data.items() if isinstance(v, dict)}}
+    if args.mode == "gpu":
+        check.step("calibrate", calibrate)
 
     failed = [n for n, r in check.result["steps"].items() if r["status"] != "ok"]
     check.result["failed_steps"] = failed

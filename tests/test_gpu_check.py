@@ -21,7 +21,7 @@ def test_gpu_check_cpu_mode_runs_every_step(tmp_path):
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["mode"] == "cpu" and result["failed_steps"] == []
     steps = result["steps"]
-    assert list(steps) == ["machine", "cuda_tests", "throughput", "data", "train"]
+    assert list(steps) == ["machine", "cuda_tests", "throughput", "data", "train"]   # calibrate: GPU mode only
     tests = steps["cuda_tests"]
     assert tests.get("skipped", 0) + tests.get("passed", 0) >= 10   # every CUDA test ran or said why not
     by_batch = steps["throughput"]["by_batch"]
