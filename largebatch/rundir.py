@@ -302,9 +302,10 @@ def agree(run_dir: Path | None, resume: bool, *, main: bool, distributed: bool, 
     return Path(path[0]), held
 
 
-def watch_parent() -> None:
-    """Step 5: SIGTERM this worker when its launcher (parent) dies; Linux only, a no-op elsewhere."""
-    parent = os.getppid()
+def watch_parent(parent: int | None = None) -> None:
+    """Step 5: SIGTERM this worker when its launcher (parent) dies; Linux only, a no-op elsewhere. `parent`: the
+    launcher's pid where the worker knows it (it may have died before this call, while the worker started)."""
+    parent = os.getppid() if parent is None else parent
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 

@@ -1,6 +1,14 @@
 """`--calibrate` measures this machine in 2 real gloo processes and the model can use the entry."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from largebatch.perf import calibrate, predict
@@ -25,3 +33,52 @@ def test_calibrate_writes_a_usable_this_machine_entry(tmp_path, monkeypatch):
         assert p.comm_time_s > 0 and p.step_time_s > p.compute_time_s * 0.999
     finally:
         clear_cache()
+
+
+def _live(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _spawned(pid: int) -> list[int]:
+    from largebatch.commands.chaos import _descendants
+
+    out = []
+    for child in _descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_calibration_leaves_no_measuring_worker_behind(tmp_path):
+    """plan --calibrate's workers (torch.multiprocessing.spawn) outlived a SIGKILLed parent and kept both cores
+    busy for half an hour; they now ask the kernel for SIGTERM when it dies."""
+    proc = subprocess.Popen([sys.executable, "-m", "largebatch", "plan", "--calibrate", "--catalog-out",
+                             str(tmp_path / "c.yaml"), "--model", "resnet18", "--image-size", "32", "--nproc", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(workers) < 2 and proc.poll() is None:
+            workers = _spawned(proc.pid)
+            time.sleep(0.2)
+        assert len(workers) >= 2, "the calibration's workers did not start"
+        time.sleep(1.0)   # past the workers' start, into the measurement
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_live(p) for p in workers):
+            time.sleep(0.2)
+        assert not [p for p in workers if _live(p)], f"workers {workers} outlived the killed calibration"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

@@ -68,6 +68,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: Any) -> None:
     from largebatch.models import build_model
+    from largebatch.rundir import watch_parent
+
+    watch_parent(spec["parent"])   # a killed `plan --calibrate` takes its measuring workers with it
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -146,7 +149,7 @@ def measure(model: str = "resnet18", image_size: int = 28, in_channels: int = 1,
     threads = max(1, (os.cpu_count() or 1) // nproc)
     spec = dict(model=model, image_size=image_size, in_channels=in_channels, num_classes=num_classes, stem=stem,
                 width=width, precision=precision, b1=b1, b2=b2, reps=reps, matmul_n=matmul_n, sizes=list(sizes),
-                threads=threads, device=device, copy_bytes=copy_bytes)
+                threads=threads, device=device, copy_bytes=copy_bytes, parent=os.getpid())
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(_worker, args=(nproc, free_port(), spec, results), nprocs=nproc, join=True)

@@ -97,8 +97,12 @@ def write_imagefolder(root: Path, images: int, classes: int = 10, width: int = 5
     if processes > 1:
         import multiprocessing
 
-        # fork: the children need numpy and Pillow only, and this module is already imported
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
+        # forkserver, not fork: a child forked from this process inherits the locks its other threads held at the
+        # fork (torch's and OpenMP's pools, a test runner's threads) and can hang on one; the fork server is a
+        # fresh single-threaded process that imports this module once and forks the workers from itself
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        with ctx.Pool(processes) as pool:
             pool.map(_write_jpeg, jobs, chunksize=8)
     else:
         for job in jobs:
