@@ -42,6 +42,17 @@ def _live(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _all_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
 def _spawned(pid: int) -> list[int]:
     from largebatch.commands.chaos import _descendants
 
@@ -76,6 +87,8 @@ def test_a_killed_calibration_leaves_no_measuring_worker_behind(tmp_path):
         while time.time() < deadline and any(_live(p) for p in workers):
             time.sleep(0.2)
         assert not [p for p in workers if _live(p)], f"workers {workers} outlived the killed calibration"
+        orphans = [p for p in _all_pids() if _live(p) and str(tmp_path / "c.yaml").encode() in _cmdline(p)]
+        assert not orphans, f"processes {orphans} of the killed calibration are still running"
     finally:
         if proc.poll() is None:
             proc.kill()

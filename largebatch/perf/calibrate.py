@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,7 @@ def resolve_device(device: str = "auto") -> str:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: Any) -> None:
+def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: str) -> None:
     from largebatch.models import build_model
     from largebatch.rundir import watch_parent
 
@@ -121,7 +123,8 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: Any
             t = torch.zeros(size // 4, device=device)
             dist.barrier()
             out["allreduce"][size] = _timed(lambda: dist.all_reduce(t), reps, device)
-        results[rank] = out
+        with open(Path(results) / f"{rank}.pkl", "wb") as f:   # our own file, read back by measure()
+            pickle.dump(out, f)
     finally:
         dist.destroy_process_group()
 
@@ -150,11 +153,14 @@ def measure(model: str = "resnet18", image_size: int = 28, in_channels: int = 1,
     spec = dict(model=model, image_size=image_size, in_channels=in_channels, num_classes=num_classes, stem=stem,
                 width=width, precision=precision, b1=b1, b2=b2, reps=reps, matmul_n=matmul_n, sizes=list(sizes),
                 threads=threads, device=device, copy_bytes=copy_bytes, parent=os.getpid())
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker, args=(nproc, free_port(), spec, results), nprocs=nproc, join=True)
-    res = [results[r] for r in range(nproc)]
-    manager.shutdown()
+    # results through files, not a multiprocessing.Manager: its server process is forked from this one and, like
+    # the workers before they watched their parent, outlived a killed calibration
+    with tempfile.TemporaryDirectory(prefix="largebatch-calibrate-") as results:
+        mp.spawn(_worker, args=(nproc, free_port(), spec, results), nprocs=nproc, join=True)
+        res = []
+        for r in range(nproc):
+            with open(Path(results) / f"{r}.pkl", "rb") as f:
+                res.append(pickle.load(f))
     return entries(res, spec)
 
 
