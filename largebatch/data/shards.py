@@ -335,18 +335,20 @@ def _complete(where: str, key: int, group: dict[str, tarfile.TarInfo]) -> dict[s
     return group
 
 
-def _read(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo) -> bytes:
+def read_member(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo, fix: str = _FIX) -> bytes:
+    """A regular member's bytes (the callers keep only those); a tar error is one sentence naming the shard
+    `where`, the member and `fix`."""
     try:
         f = tar.extractfile(member)
-        assert f is not None, "a regular file (checked by _member_problem)"
+        assert f is not None, "a regular file (checked by the caller)"
         return f.read()
     except (OSError, tarfile.TarError) as err:
-        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); {_FIX}.") from None
+        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); {fix}.") from None
 
 
 def _label(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo, num_classes: int) -> int:
     """The class of a <key>.cls member: a decimal number in 0..num_classes-1."""
-    text = _read(tar, where, member).strip() if member.size <= 20 else b""
+    text = read_member(tar, where, member).strip() if member.size <= 20 else b""
     if not text.isdigit():
         what = f"{text!r}" if member.size <= 20 else f"{member.size} bytes"
         raise UserError(f"shard {where}: label member {shown(member.name)} holds {what}, not a class number; "
@@ -425,7 +427,7 @@ def _read_pieces(root: Path, names: list[str], counts: list[int], pieces: list[t
                 if sample < first:
                     continue  # skipped by seek: tarfile does not read data we do not extract
                 label = _label(tar, shown(path), group["cls"], num_classes)
-                yield names[shard], key, _read(tar, shown(path), group["jpg"]), label
+                yield names[shard], key, read_member(tar, shown(path), group["jpg"]), label
         if sample + 1 < stop:
             raise UserError(f"shard {shown(path)} holds {sample + 1} samples but {INDEX} lists {counts[shard]} "
                             f"(it is truncated or {INDEX} is wrong); {_FIX}.")

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Iterator
 
 from largebatch.cli import ArgumentParser
-from largebatch.data.shards import INDEX, ShardSource, _members, _open_shard, _ShardStream
+from largebatch.data.shards import INDEX, ShardSource, _members, _open_shard, _ShardStream, read_member
 from largebatch.errors import UserError, shown
 
 WIDS_KIND = "wids-shard-index-v1"
@@ -233,13 +233,7 @@ def samples_in(tar: tarfile.TarFile, where: str, size: int) -> Iterator[tuple[st
 
 
 def _read(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo) -> bytes:
-    try:
-        f = tar.extractfile(member)
-        assert f is not None, "a regular file (samples_in keeps only those)"
-        return f.read()
-    except (OSError, tarfile.TarError) as err:
-        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); copy the shard "
-                        "again.") from None
+    return read_member(tar, where, member, fix="copy the shard again")
 
 
 def image_member(where: str, key: str, group: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo:
