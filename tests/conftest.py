@@ -20,6 +20,16 @@ def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
     return proc
 
 
+def user_error(proc, *fragments):
+    """A CompletedProcess that exited 2 with one `largebatch: error:` line holding every fragment, no traceback."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("largebatch: error:")]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import user_error as _user_error
 from largebatch import checkpoint, metrics, rundir
 from largebatch.errors import UserError
 
@@ -30,15 +31,6 @@ def _tree(root: Path) -> dict:
             rel = str(p.relative_to(root))
             out[rel] = ("link", os.readlink(p)) if p.is_symlink() else ("dir",) if p.is_dir() else p.read_bytes()
     return out
-
-
-def _user_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("largebatch: error:")]
-    assert len(lines) == 1, proc.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 def _foreign_checkpoint(directory: Path, step: int) -> None:

@@ -16,7 +16,7 @@ import pytest
 from largebatch import checkpoint, rundir
 from largebatch.errors import UserError
 
-from conftest import ROOT
+from conftest import ROOT, user_error as _user_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,15 +27,6 @@ TINY = ["--set", "model.width=4", "--set", "data.dataset=synthetic", "--set", "d
 
 def _files(run: Path) -> dict:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
-
-
-def _user_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("largebatch: error:")]
-    assert len(lines) == 1, proc.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 def test_a_finished_run_is_refused_without_resume_and_left_as_it_was(cli, tmp_path):

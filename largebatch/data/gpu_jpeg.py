@@ -46,10 +46,8 @@ def gpu_decoder_available() -> str | None:
 
 
 def crop_window(plan: jpeg.CropPlan) -> tuple[int, int, int, int]:
-    """The crop box in whole pixels (y0, x0, y1, x1) as `jpeg.finish_crop` takes it from a full-scale decode."""
-    top, left, ch, cw = plan.box
-    y0, x0 = int(top), int(left)
-    return (y0, x0, max(y0 + 1, min(plan.h, int(round(top + ch)))), max(x0 + 1, min(plan.w, int(round(left + cw)))))
+    """The crop box in whole pixels (y0, x0, y1, x1) of the full-scale image, as `jpeg.finish_crop` takes it."""
+    return jpeg.crop_window(plan, plan.h, plan.w)
 
 
 def window_plan(plan: jpeg.CropPlan) -> jpeg.CropPlan:

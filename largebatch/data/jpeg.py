@@ -148,15 +148,20 @@ def plan_crop(data: bytes, size: int, *, train: bool, min_scale: float, seed: in
     return CropPlan(h, w, colorspace, box, dct_factor(h, w, box, size), bool(train and flip_bit(seed, epoch, index)))
 
 
+def crop_window(plan: CropPlan, height: int, width: int) -> tuple[int, int, int, int]:
+    """The crop box in whole pixels (y0, x0, y1, x1) of the image decoded at `height` x `width` (any scale;
+    the GPU decoder's window is this at full scale)."""
+    sy, sx = height / plan.h, width / plan.w
+    top, left, ch, cw = plan.box
+    y0, x0 = int(top * sy), int(left * sx)
+    return (y0, x0, max(y0 + 1, min(height, int(round((top + ch) * sy)))),
+            max(x0 + 1, min(width, int(round((left + cw) * sx)))))
+
+
 def finish_crop(pixels: torch.Tensor, plan: CropPlan, size: int) -> torch.Tensor:
     """Step 5 on HWC uint8 `pixels` (decoded at any scale, on any device): the S x S x 3 uint8 crop (an HWC
     view). On CPU torch's uint8 antialiased bilinear kernel; elsewhere the same filter in float32, rounded."""
-    h, w = plan.h, plan.w
-    sy, sx = pixels.shape[0] / h, pixels.shape[1] / w
-    top, left, ch, cw = plan.box
-    y0, x0 = int(top * sy), int(left * sx)
-    y1 = max(y0 + 1, min(pixels.shape[0], int(round((top + ch) * sy))))
-    x1 = max(x0 + 1, min(pixels.shape[1], int(round((left + cw) * sx))))
+    y0, x0, y1, x1 = crop_window(plan, pixels.shape[0], pixels.shape[1])
     crop = pixels[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)
     if crop.device.type == "cpu":
         crop = crop.contiguous(memory_format=torch.channels_last)
