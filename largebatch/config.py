@@ -24,7 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from largebatch import safeyaml
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, OPTIONS
 from largebatch.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -276,16 +276,13 @@ class CommConfig(Section):
                               doc="all-reduce of gradient buckets (noop: no communication, for measurement only)")
     compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
     bucket_mb: float = _doc(25.0, "DDP bucket size in MB (tensor fusion)")
-    grid: Optional[str] = _doc(None, "torus2d grid 'XxY' (default: processes per node x nodes)")
-    pipeline: Optional[int] = _doc(None, "torus2d/hierarchical: pieces per bucket overlapped across the two levels "
-                                         "(null = one per 4 MB, 1 = off)")
-    impl: Optional[str] = _doc(None, "torus2d/hierarchical: 'native' (the backend's reduce-scatter, all-reduce and "
-                                     "all-gather, future-chained, no thread; the default) or 'p2p' (point-to-point "
-                                     "steps on a communication thread)")
-    local_size: Optional[int] = _doc(None, "hierarchical: processes per node (default: torchrun's LOCAL_WORLD_SIZE)")
-    inter: Optional[str] = _doc(None, "hierarchical: cross-node all-reduce, halving_doubling (default), ring or native")
-    small_bytes: Optional[int] = _doc(None, "p2p algorithms: buckets below this many bytes use native "
-                                            "(default 256 KiB, 0 = off)")
+    # The algorithm options: documented once, in largebatch.algorithms.OPTIONS (a test holds these are its keys)
+    grid: Optional[str] = _doc(None, OPTIONS["grid"].doc)
+    pipeline: Optional[int] = _doc(None, OPTIONS["pipeline"].doc)
+    impl: Optional[str] = _doc(None, OPTIONS["impl"].doc)
+    local_size: Optional[int] = _doc(None, OPTIONS["local_size"].doc)
+    inter: Optional[str] = _doc(None, OPTIONS["inter"].doc)
+    small_bytes: Optional[int] = _doc(None, OPTIONS["small_bytes"].doc)
     timeout_s: float = _doc(600.0, "collective timeout in seconds (1 to a week); when it fires the error names the "
                                     "missing ranks")
 
@@ -296,15 +293,16 @@ class CommConfig(Section):
         if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
             raise UserError(f"comm.timeout_s is {self.timeout_s:g}; give {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds "
                             "(a week; default 600), since no collective completes in under a second.")
-        from largebatch.comm.dispatch import OPTIONS, resolve
+        from largebatch.comm.dispatch import resolve
+        from largebatch.comm.hook import check_hook
 
-        options = {k: getattr(self, k) for k in ("grid", "pipeline", "impl", "local_size", "inter", "small_bytes")}
+        options = {name: getattr(self, name) for name in OPTIONS}
         for key, value in options.items():
-            if value is not None and key not in OPTIONS.get(self.algorithm, {}):
-                users = [name for name, valid in OPTIONS.items() if key in valid]
+            if value is not None and self.algorithm not in OPTIONS[key].algorithms:
                 raise UserError(f"comm.{key} is set but comm.algorithm {self.algorithm} does not use it; remove it, "
-                                f"or choose an algorithm that does ({', '.join(users)}).")
-        resolve(self.algorithm, {"compression": self.compression, **options}, allow_noop=True)
+                                f"or choose an algorithm that does ({', '.join(OPTIONS[key].algorithms)}).")
+        check_hook(resolve(self.algorithm, {"compression": self.compression, **options}, allow_noop=True), options,
+                   "comm.")
 
 
 @dataclass

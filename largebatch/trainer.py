@@ -115,10 +115,9 @@ class Trainer:
         self.ddp: torch.nn.Module = model
         if self.info.distributed:
             self.ddp = dist_mod.wrap_ddp(model, self.device, cfg.comm.bucket_mb)
-            if cfg.comm.algorithm != "native" or cfg.comm.compression != "none":
-                from largebatch.comm import register
+            from largebatch.comm import install
 
-                self.comm_state = register(self.ddp, cfg.comm)   # the section's set fields are the options
+            self.comm_state = install(self.ddp, cfg.comm)   # None: DDP's own all-reduce, no hook
         mode = None if t.compile_mode == "default" else t.compile_mode
         forward = torch.compile(self.ddp, mode=mode) if t.compile else self.ddp
 

@@ -126,10 +126,11 @@ def _check_ddp(p: int, rank: int, two_levels: bool = False) -> None:
     def grads(hook: str | None, compression: str = "none", **extra) -> list[list[torch.Tensor]]:
         net = DDP(model(), bucket_cap_mb=0.002)
         fast_path_off = {} if hook in (None, "noop", "native") else {"small_bytes": 0}   # tiny buckets: run the algorithm
+        pieces = {"pipeline": 2} if extra.get("impl") == "p2p" else {}   # the native hook overlaps whole buckets
         if hook == "torus2d":                            # one rank per row: the column step is the whole world,
-            fast_path_off.update(grid=f"1x{p}", pipeline=2)   # pipelined on the cross-level worker thread
+            fast_path_off.update(grid=f"1x{p}", **pieces)   # pipelined on the cross-level worker thread
         if hook == "hierarchical":                       # one rank per "node", likewise
-            fast_path_off.update(local_size=1, pipeline=2)
+            fast_path_off.update(local_size=1, **pieces)
         fast_path_off.update(extra)
         state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
         if state is not None and hook != "noop":         # the backend's own collectives need no thread

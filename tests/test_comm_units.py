@@ -1,6 +1,7 @@
 """Single-process pieces of largebatch.comm (validation, chunking, cost model, hook state) and the bench CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -209,17 +210,58 @@ def test_pipelined_timeline() -> None:
 
 
 def test_a_comm_config_section_is_the_hook_options() -> None:
-    """register(ddp, cfg.comm): the section's set fields become the hook's validated options, nothing else."""
+    """CommHookState.from_config(cfg.comm): the section's set fields become the hook's validated options, nothing
+    else; install() leaves native uncompressed to DDP's own all-reduce (no hook)."""
     from largebatch import config
-    from largebatch.comm.hook import CommHookState, section_options
+    from largebatch.comm.hook import CommHookState
 
     cfg = config.load("fashion_mnist", ["comm.algorithm=hierarchical", "comm.impl=native", "comm.inter=native",
                                         "comm.local_size=2", "comm.compression=bf16"])
-    algorithm, options = section_options(cfg.comm)
-    assert algorithm == "hierarchical" and options == {"compression": "bf16", "local_size": 2, "inter": "native",
-                                                       "impl": "native", "timeout_s": cfg.comm.timeout_s}
-    state = CommHookState(algorithm, **options)
-    assert dict(state.spec.options)["impl"] == "native" and state.chained
+    state = CommHookState.from_config(cfg.comm)
+    assert (state.algorithm, state.compression, state.timeout_s) == ("hierarchical", "bf16", cfg.comm.timeout_s)
+    assert state.options == {"grid": None, "pipeline": None, "impl": "native", "local_size": 2, "inter": "native",
+                             "small_bytes": None}
+    assert dict(state.spec.options)["impl"] == "native" and state.chained and state.local_size == 2
+    assert pickle.loads(pickle.dumps(state)).options == state.options
+    assert CommHookState.needed(cfg.comm)
+    assert not CommHookState.needed(config.load("fashion_mnist", ["comm.algorithm=native"]).comm)
+    assert CommHookState.needed(config.load("fashion_mnist", ["comm.algorithm=native", "comm.compression=fp16"]).comm)
     bad = config.CommConfig(algorithm="ring", impl="native")   # config.load refuses it (CommConfig.validate)
     with pytest.raises(UserError, match="do not apply to algorithm ring"):
-        CommHookState(*section_options(bad)[:1], **section_options(bad)[1])
+        CommHookState.from_config(bad)
+
+
+def test_one_table_of_comm_options() -> None:
+    """largebatch.algorithms.OPTIONS is the one list: the config section's option keys, the hook state's fields
+    and dispatch's per-algorithm defaults all come from it."""
+    from largebatch import algorithms, comm, config
+    from largebatch.comm.hook import CommHookState
+
+    own = {"algorithm", "compression", "bucket_mb", "timeout_s"}
+    assert {f.name for f in dataclasses.fields(config.CommConfig)} == own | set(algorithms.OPTIONS)
+    assert set(CommHookState.FIELDS) == own - {"bucket_mb"} | set(algorithms.OPTIONS)
+    for name in algorithms.ALLREDUCE:
+        assert comm.OPTIONS[name] == {k: o.default for k, o in algorithms.OPTIONS.items() if name in o.algorithms}
+    assert comm.OPTIONS["native"] == {} and comm.OPTIONS["torus2d"]["impl"] == algorithms.DEFAULT_IMPL
+    with pytest.raises(TypeError, match="unknown option"):
+        CommHookState("ring", pieces=2)
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["comm.algorithm=torus2d", "comm.pipeline=4"], "comm.pipeline is 4 but torus2d's native implementation"),
+    (["comm.algorithm=hierarchical", "comm.impl=native", "comm.pipeline=2"], "remove comm.pipeline"),
+])
+def test_pipeline_is_read_or_refused(sets: list[str], match: str) -> None:
+    """comm.pipeline is read by the p2p hook (pieces of a bucket) and refused for the native-composed hook, which
+    chains whole buckets: never accepted and ignored."""
+    from largebatch import config
+    from largebatch.comm.hook import CommHookState
+
+    with pytest.raises(UserError, match=match):
+        config.load("fashion_mnist", sets)
+    with pytest.raises(UserError, match="pipeline is"):
+        CommHookState(sets[0].split("=")[1], pipeline=4)
+    cfg = config.load("fashion_mnist", [sets[0], "comm.impl=p2p", "comm.pipeline=4"])
+    assert dict(CommHookState.from_config(cfg.comm).spec.options)["pipeline"] == 4
+
+

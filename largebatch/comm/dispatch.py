@@ -18,7 +18,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
-from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, HOOK_ONLY, IMPLS, TWO_LEVEL
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -28,19 +28,9 @@ ALGORITHMS: dict[str, Callable[..., None]] = {
     "torus2d": torus2d.allreduce,
     "hierarchical": hierarchical.allreduce,
 }
-# Algorithm-specific options (beyond `compression`) and their defaults.
-# Below this many bytes the p2p algorithms hand the tensor to `native` (the
-# small-message fast path; option ``small_bytes``, 0 = off). A compromise between
-# the loaded 1 host x 4 and 2 x 2 cluster measurements (docs/communication.md).
-SMALL_BYTES = 256 << 10
-OPTIONS: dict[str, dict[str, Any]] = {
-    "native": {},
-    "ring": {"small_bytes": SMALL_BYTES},
-    "halving_doubling": {"small_bytes": SMALL_BYTES},
-    "torus2d": {"grid": None, "pipeline": None, "small_bytes": SMALL_BYTES, "impl": DEFAULT_IMPL},
-    "hierarchical": {"local_size": None, "inter": "halving_doubling", "pipeline": None, "small_bytes": SMALL_BYTES,
-                     "impl": DEFAULT_IMPL},
-}
+# Algorithm-specific options (beyond `compression`) and their defaults: `largebatch.algorithms.OPTIONS`, the one
+# table of them, per algorithm.
+OPTIONS: dict[str, dict[str, Any]] = {name: options_of(name) for name in ALLREDUCE}
 assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.algorithms.ALLREDUCE names every algorithm here"
 
 

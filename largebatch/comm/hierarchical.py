@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from largebatch import algorithms
 from largebatch.algorithms import DEFAULT_IMPL
 from largebatch.comm import composed, halving_doubling, native, ring
 from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
@@ -45,6 +46,7 @@ from largebatch.comm.topology import cross_blocks, node_blocks, resolve_local_si
 from largebatch.errors import UserError
 
 INTER = {"halving_doubling": halving_doubling.allreduce, "ring": ring.allreduce, "native": native.allreduce}
+assert tuple(INTER) == algorithms.INTER, "largebatch.algorithms.INTER names every cross-node algorithm here"
 
 
 def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[int], gather: bool = False) -> tuple:

@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import torch
 import torch.distributed as dist
 
-from largebatch.algorithms import TWO_LEVEL
+from largebatch.algorithms import OPTIONS, TWO_LEVEL
 from largebatch.comm.dispatch import Spec, mesh_options, resolve, run, setup
 from largebatch.comm.compression import get_codec
 from largebatch.comm.groups import members
+from largebatch.errors import UserError
 
 if TYPE_CHECKING:
     from largebatch.comm.composed import Chain
@@ -55,29 +56,47 @@ if TYPE_CHECKING:
 class CommHookState:
     """Validated hook configuration plus (unpicklable) runtime resources.
 
-    Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``),
-    ``compression``, ``grid``, ``local_size``, ``inter``, ``pipeline``, ``small_bytes``, ``timeout_s``, ``impl``.
+    Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``), ``compression``, ``timeout_s``
+    and the algorithm options of `largebatch.algorithms.OPTIONS` (``grid``, ``local_size``, ``inter``,
+    ``impl``, ``pipeline``, ``small_bytes``; None = the default), validated once by `dispatch.resolve`.
+    `from_config(section)` builds it from a run's ``comm`` section.
     """
 
-    FIELDS = ("algorithm", "compression", "grid", "local_size", "inter", "pipeline", "small_bytes", "timeout_s",
-              "impl")
+    FIELDS = ("algorithm", "compression", *OPTIONS, "timeout_s")
 
-    def __init__(self, algorithm: str = "ring", compression: str = "none", grid: Optional[str] = None,
-                 local_size: Optional[int] = None, inter: Optional[str] = None,
-                 small_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 pipeline: Optional[int] = None, impl: Optional[str] = None, mesh: Any = None) -> None:
+    def __init__(self, algorithm: str = "ring", compression: str = "none", timeout_s: Optional[float] = None,
+                 mesh: Any = None, **options: Any) -> None:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"CommHookState got unknown option(s) {', '.join(unknown)}; "
+                            f"its options: {', '.join(OPTIONS)}")
         if mesh is not None and algorithm in TWO_LEVEL:   # the layout it stands for, kept as a field (not the mesh)
-            layout = mesh_options(algorithm, mesh, {"grid": grid, "local_size": local_size})
-            grid, local_size = layout.get("grid", grid), layout.get("local_size", local_size)
+            options.update(mesh_options(algorithm, mesh, options))
             mesh = None
-        self.spec: Spec = resolve(algorithm, {"compression": compression, "grid": grid, "local_size": local_size,
-                                              "inter": inter, "pipeline": pipeline, "small_bytes": small_bytes,
-                                              "impl": impl, "mesh": mesh},
-                                  allow_noop=True)
-        self.algorithm, self.compression = algorithm, compression
-        self.grid, self.local_size, self.inter, self.timeout_s = grid, local_size, inter, timeout_s
-        self.small_bytes, self.pipeline, self.impl = small_bytes, pipeline, impl
+        self.spec: Spec = resolve(algorithm, {"compression": compression, **options, "mesh": mesh}, allow_noop=True)
+        check_hook(self.spec, options)
+        self.algorithm, self.compression, self.timeout_s = algorithm, compression, timeout_s
+        self.options: dict[str, Any] = {name: options.get(name) for name in OPTIONS}   # as given, None = default
         self._reset_runtime()
+
+    def __getattr__(self, name: str) -> Any:
+        """An option as given (``state.grid``); only reached for names that are not attributes."""
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    @classmethod
+    def from_config(cls, section: Any) -> "CommHookState":
+        """The state of a run's ``comm`` config section (`config.CommConfig`): its set fields are the options."""
+        return cls(section.algorithm, section.compression, section.timeout_s,
+                   **{name: getattr(section, name) for name in OPTIONS})
+
+    @staticmethod
+    def needed(section: Any) -> bool:
+        """Whether a run's ``comm`` section needs a hook: DDP's own all-reduce is the native algorithm
+        uncompressed, so that needs none."""
+        return section.algorithm != "native" or section.compression != "none"
 
     @property
     def chained(self) -> bool:
@@ -224,15 +243,31 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return state.submit(buffer)
 
 
-def section_options(section: Any) -> tuple[str, dict[str, Any]]:
-    """(algorithm, options) of a ``comm`` config section: every hook field that is set (None = the default)."""
-    return section.algorithm, {k: getattr(section, k) for k in CommHookState.FIELDS[1:]
-                               if getattr(section, k, None) is not None}
+def check_hook(spec: Spec, given: dict[str, Any], prefix: str = "") -> None:
+    """The rule a hook adds to `dispatch.resolve`: ``pipeline`` splits a bucket into pieces for the p2p form
+    only. The native-composed hook (the default impl) chains whole buckets, so DDP's buckets are its pieces
+    and their size (``comm.bucket_mb``) is the setting; a pipeline given for it is refused, not ignored.
+    ``prefix``: how the message names the options ("comm." for a config section)."""
+    options = dict(spec.options)
+    if given.get("pipeline") is not None and options.get("impl") == "native":
+        raise UserError(f"{prefix}pipeline is {given['pipeline']} but {spec.algorithm}'s native implementation "
+                        f"(the default {prefix}impl) overlaps whole DDP buckets across its two levels, not pieces of "
+                        f"one; remove {prefix}pipeline and make the buckets smaller ({prefix}bucket_mb, DDP's "
+                        f"bucket_cap_mb), or set {prefix}impl p2p to pipeline pieces of each bucket.")
+
+
+def install(ddp_model: torch.nn.Module, section: Any) -> Optional[CommHookState]:
+    """Install the hook a run's ``comm`` section asks for on ``ddp_model`` and return its state; None where DDP's
+    own all-reduce is the algorithm (native, uncompressed), which needs no hook. Collective, as `register`."""
+    if not CommHookState.needed(section):
+        return None
+    return register(ddp_model, state=CommHookState.from_config(section))
 
 
 def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any) -> CommHookState:
     """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state. ``algorithm`` may be
-    the run's ``comm`` config section itself (`config.CommConfig`), whose set fields are the options.
+    a `CommHookState`, or the run's ``comm`` config section itself (`config.CommConfig`), whose set fields are
+    the options.
 
     Collective: call on every rank, in the same order as other group creations.
     ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default),
@@ -240,9 +275,12 @@ def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any
     or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
     state = options.pop("state", None)
-    if not isinstance(algorithm, str):   # a config section (config.CommConfig)
-        algorithm, from_section = section_options(algorithm)
-        options = {**from_section, **options}
+    if isinstance(algorithm, CommHookState):
+        state, algorithm = algorithm, None
+    elif not isinstance(algorithm, str):   # a config section (config.CommConfig)
+        if options:
+            raise TypeError("give a comm config section or options, not both")
+        state = CommHookState.from_config(algorithm)
     if state is None:
         state = CommHookState(algorithm, **options)
     elif options:
