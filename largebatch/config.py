@@ -34,6 +34,11 @@ def _choices(*values: str, doc: str) -> Any:
     return field(default=values[0], metadata={"choices": values, "doc": doc})
 
 
+def _required(doc: str, **meta: Any) -> Any:
+    """A field of a list entry (`Item`) that the recipe must give: no default."""
+    return field(metadata={"doc": doc, "required": True, **meta})
+
+
 def _doc(default: Any, doc: str, **meta: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"doc": doc, **meta})
@@ -44,12 +49,25 @@ class Section:
     """A config section. `validate()`: the range checks that types alone cannot express, world-size-free (the
     batch arithmetic that needs the world size is `schedule.Plan`'s); each error names the key and the fix."""
 
+    def __post_init__(self) -> None:
+        """Entries of a list key given as mappings (``BatchConfig(phases=[{...}])`` from code) become their typed
+        `Item`s, through the same strict loader as a recipe."""
+        name = next((n for n, cls in SECTIONS.items() if cls is type(self)), type(self).__name__)
+        for key, cls in _item_types(type(self)).items():
+            value = getattr(self, key)
+            if isinstance(value, list) and not all(isinstance(v, cls) for v in value):
+                setattr(self, key, [_item_from_dict(f"{name}.{key}[{i}]", cls, v) for i, v in enumerate(value)])
+
     def validate(self) -> None:
         name = next(n for n, cls in SECTIONS.items() if cls is type(self))
         for key in POSITIVE + NON_NEGATIVE:   # None means "not set" and passes
             section, field_name = key.split(".")
             if section == name:
                 _check_sign(key, getattr(self, field_name), allow_zero=key in NON_NEGATIVE)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # the entries of a list key (phases) check themselves
+            for i, item in enumerate(getattr(self, f.name)) if isinstance(getattr(self, f.name), list) else ():
+                if isinstance(item, Item):
+                    item.validate(f"{name}.{f.name}[{i}]")
 
 
 @dataclass
@@ -75,6 +93,47 @@ class ModelConfig(Section):
                             "package.module:factory.")
 
 
+class Item:
+    """An entry of a list key (a phase): a dataclass read by the same strict loader as a section, with its own
+    checks. Fields whose metadata says ``required`` must be given."""
+
+    def validate(self, where: str) -> None:
+        """Range checks of this entry; `where` names it (``batch.phases[1]``)."""
+
+
+@dataclass
+class ResolutionPhase(Item):
+    """Progressive resizing: from `start_epoch` on, training batches are resized to `image_size`."""
+
+    start_epoch: float = _required("epoch (fractional allowed) from which this size applies", bounds=">= 0")
+    image_size: int = _required("training image size in pixels from start_epoch on", bounds=">= 4")
+
+    def validate(self, where: str) -> None:
+        if self.start_epoch < 0:
+            raise UserError(f"{where}.start_epoch is {self.start_epoch:g}; give a number >= 0.")
+        if self.image_size < 4:
+            raise UserError(f"{where}.image_size is {self.image_size!r}; give an integer of at least 4 pixels.")
+
+
+@dataclass
+class BatchPhase(Item):
+    """Batch-size control (Sony): from `start_epoch` on, `global_batch` images per step, at peak lr `lr`."""
+
+    start_epoch: int = _required("whole epoch this phase starts at (the first phase starts at 0)", bounds=">= 0")
+    global_batch: int = _required("images per optimizer step across all workers in this phase", bounds="> 0")
+    lr: Optional[float] = _doc(None, "peak lr of this phase (null: optim.lr scaled to global_batch by "
+                                     "optim.scaling_rule)", bounds="(0, 10000]")
+
+    def validate(self, where: str) -> None:
+        if self.start_epoch < 0:
+            raise UserError(f"{where}.start_epoch is {self.start_epoch!r}; give a whole number of epochs >= 0.")
+        if self.global_batch <= 0:
+            raise UserError(f"{where}.global_batch is {self.global_batch!r}; give a positive integer.")
+        if self.lr is not None and not 0 < self.lr <= MAX_LR:
+            raise UserError(f"{where}.lr is {self.lr!r}; give a positive number of at most {MAX_LR:,.0f}, or leave "
+                            "it out.")
+
+
 @dataclass
 class DataConfig(Section):
     dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic", "webdataset",
@@ -87,7 +146,7 @@ class DataConfig(Section):
     image_size: int = _doc(28, "training crop size in pixels (evaluation resizes to size/0.875 then centre-crops for ImageFolder)")
     augment: bool = _doc(True, "random crop + horizontal flip for training (off during a collapse phase)")
     crop_padding: int = _doc(2, "padding of the random crop for in-memory small images")
-    min_scale: float = _doc(0.08, "smallest area fraction of random-resized-crop (ImageFolder)")
+    min_scale: float = _doc(0.08, "smallest area fraction of random-resized-crop (ImageFolder)", bounds="(0, 1]")
     loader_workers: int = _doc(2, "decoding processes per rank for JPEG sources (0 = in the training process)")
     on_corrupt: str = _choices("skip", "fail", doc="a corrupt or truncated JPEG is skipped and listed, or fails the run")
     decode: str = _choices("auto", "cpu", "gpu", doc="where JPEGs are decoded and cropped (auto: gpu for imagefolder "
@@ -96,17 +155,19 @@ class DataConfig(Section):
                                 doc="data.decode gpu: nvImageCodec decodes only the crop window, on the hardware "
                                     "JPEG decoder where there is one; torchvision decodes whole images with nvJPEG; "
                                     "auto: nvImageCodec where it loads")
-    gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off)")
-    num_classes: int = _doc(10, "classes of the synthetic source, and of webdataset shards (labels 0..num_classes-1)")
+    gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off)",
+                               bounds="[0, 4096]")
+    num_classes: int = _doc(10, "classes of the synthetic source, and of webdataset shards (labels 0..num_classes-1)",
+                            bounds="[2, 1000000]")
     synthetic_size: int = _doc(4096, "images per epoch of the synthetic source")
     train_size: Optional[int] = _doc(None, "training images, for --dry-run without the data (null = read from the data)")
     subset: Optional[int] = _doc(None, "train on a fixed random subset of this many training images (null = all)")
     val_split: Optional[int] = _doc(None, "hold out this many training images as a validation set (a fixed seeded "
                                           "choice, the same for every train.seed); evaluation then runs on it, "
                                           "never on the test set; null = off")
-    resolution_phases: list = _doc([], "progressive resizing: list of {start_epoch, image_size}; training batches are "
-                                       "resized (antialiased) to image_size from start_epoch on, evaluation stays at "
-                                       "the data's own size; empty means no resizing")
+    resolution_phases: list[ResolutionPhase] = _doc(
+        [], "progressive resizing: list of {start_epoch, image_size}; training batches are resized (antialiased) "
+            "to image_size from start_epoch on, evaluation stays at the data's own size; empty means no resizing")
 
     def validate(self) -> None:
         super().validate()
@@ -132,60 +193,40 @@ class DataConfig(Section):
         if self.num_classes > MAX_CLASSES:
             raise UserError(f"data.num_classes is {self.num_classes}; give at most {MAX_CLASSES:,} classes "
                             "(the classifier head is num_classes x features weights).")
-        for i, phase in enumerate(self.resolution_phases):
-            if not isinstance(phase, dict) or set(phase) != {"start_epoch", "image_size"}:
-                raise UserError(f"data.resolution_phases[{i}] must be a mapping with exactly start_epoch and image_size, "
-                                f"got {phase!r}.")
-            phase["image_size"] = _whole(phase["image_size"])
-            start, size = phase["start_epoch"], phase["image_size"]
-            if not _is_number(start) or start < 0:
-                raise UserError(f"data.resolution_phases[{i}].start_epoch is {start!r}; give a number >= 0.")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 4:
-                raise UserError(f"data.resolution_phases[{i}].image_size is {size!r}; give an integer of at least 4 pixels.")
         _check_distinct_starts("data.resolution_phases", self.resolution_phases)
 
 
 @dataclass
 class BatchConfig(Section):
-    global_batch: int = _doc(256, "images per optimizer step across all workers")
+    global_batch: int = _doc(256, "images per optimizer step across all workers; with batch.phases it is theirs "
+                                  "(the first phase's) and giving it too is an error")
     micro_batch: Optional[int] = _doc(None, "largest per-worker forward batch; accumulation is derived from it")
     accumulation: Optional[int] = _doc(None, "gradient-accumulation steps (derived when unset)")
-    phases: list = _doc([], "batch-size control: list of {start_epoch, global_batch, lr (optional peak lr)}; "
-                            "empty means global_batch for the whole run")
+    phases: list[BatchPhase] = _doc([], "batch-size control: list of {start_epoch, global_batch, lr (optional peak "
+                                        "lr)} starting at epoch 0; empty means global_batch for the whole run")
 
     def validate(self) -> None:
         super().validate()
-        for i, phase in enumerate(self.phases):
-            if not isinstance(phase, dict) or "start_epoch" not in phase or "global_batch" not in phase:
-                raise UserError(f"batch.phases[{i}] must be a mapping with start_epoch and global_batch "
-                                f"(and optionally lr), got {phase!r}.")
-            unknown = set(phase) - {"start_epoch", "global_batch", "lr"}
-            if unknown:
-                raise UserError(f"batch.phases[{i}] has unknown keys {sorted(unknown)}; valid: start_epoch, global_batch, lr.")
-            phase["start_epoch"], phase["global_batch"] = _whole(phase["start_epoch"]), _whole(phase["global_batch"])
-            for key, ok, need in (("start_epoch", _is_int(phase["start_epoch"]) and phase["start_epoch"] >= 0,
-                                   "a whole number of epochs >= 0"),
-                                  ("global_batch", _is_int(phase["global_batch"]) and phase["global_batch"] > 0,
-                                   "a positive integer"),
-                                  ("lr", phase.get("lr") is None or (_is_number(phase["lr"]) and 0 < phase["lr"] <= MAX_LR),
-                                   f"a positive number of at most {MAX_LR:,.0f}, or leave it out")):
-                if not ok:
-                    raise UserError(f"batch.phases[{i}].{key} is {phase[key]!r}; give {need}.")
         _check_distinct_starts("batch.phases", self.phases)
+        if self.phases:   # the batch the run starts with, for whoever reads batch.global_batch
+            self.global_batch = min(self.phases, key=lambda p: p.start_epoch).global_batch
 
 
 @dataclass
 class OptimConfig(Section):
     name: str = _choices("sgd", "lars", "lamb", doc="optimizer")
-    lr: float = _doc(0.1, "learning rate per reference_batch images; scaled to the global batch by scaling_rule")
+    lr: float = _doc(0.1, "learning rate per reference_batch images; scaled to the global batch by scaling_rule",
+                     bounds="(0, 10000]")
     reference_batch: int = _doc(256, "batch size that lr is given for")
     scaling_rule: str = _choices("linear", "sqrt", "none", doc="how the peak lr grows with the global batch")
-    momentum: float = _doc(0.9, "momentum")
+    momentum: float = _doc(0.9, "momentum", bounds="[0, 1)")
     nesterov: bool = _doc(False, "Nesterov momentum")
-    weight_decay: float = _doc(5e-5, "L2 weight decay on weights (not on BN or biases when no_decay_bn_bias)")
+    weight_decay: float = _doc(5e-5, "L2 weight decay on weights (not on BN or biases when no_decay_bn_bias)",
+                               bounds="[0, 1)")
     no_decay_bn_bias: bool = _doc(True, "parameters with ndim <= 1 (BN, biases) get no weight decay and no LARS/LAMB adaptation")
     trust_coefficient: float = _doc(0.001, "LARS eta")
-    eps: float = _doc(0.0, "LARS: added to the norm denominator; LAMB: Adam epsilon when > 0 (default 1e-6)")
+    lars_eps: float = _doc(0.0, "LARS: added to the denominator of the trust ratio")
+    lamb_eps: float = _doc(1e-6, "LAMB: Adam's epsilon, added to the root of the second moment (> 0)")
     betas: list = _doc([0.9, 0.999], "LAMB moment coefficients")
 
     def validate(self) -> None:
@@ -204,13 +245,13 @@ class OptimConfig(Section):
 
 @dataclass
 class ScheduleConfig(Section):
-    epochs: float = _doc(10.0, "training epochs")
+    epochs: float = _doc(10.0, "training epochs", bounds="(0, 1000000]")
     warmup_epochs: float = _doc(2.0, "gradual linear warm-up (per step) from warmup_start_lr to the peak lr")
     warmup_start_lr: Optional[float] = _doc(None, "lr at step 0; default optim.lr, the unscaled lr (Goyal), or the "
                                                  "peak lr where that is lower (a batch below reference_batch)")
     decay: str = _choices("cosine", "step", "poly", "constant", doc="decay after warm-up")
     milestones: list = _doc([30, 60, 80], "epochs at which step decay multiplies the lr by gamma")
-    gamma: float = _doc(0.1, "step decay factor, in (0, 1]")
+    gamma: float = _doc(0.1, "step decay factor", bounds="(0, 1]")
     power: float = _doc(2.0, "poly decay power (LARS uses 2)")
     end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay (at most the peak lr)")
 
@@ -243,11 +284,12 @@ class TrainConfig(Section):
                                doc="replay each training step as one CUDA graph (auto: on one CUDA process without "
                                    "train.noise_scale, else eager with one line saying why; largebatch/graph.py)")
     threads: Optional[int] = _doc(None, "intra-op threads per worker (default cores / local workers)")
-    label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy")
+    label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy", bounds="[0, 1)")
     log_every: int = _doc(50, "steps between metric lines (the only steps with host syncs)")
     eval_every: int = _doc(1, "epochs between evaluations (0 = only at the end)")
     eval_flip: bool = _doc(False, "test-time augmentation: average logits over the image and its mirror")
-    ema: Optional[float] = _doc(None, "decay of an exponential moving average of weights used for evaluation")
+    ema: Optional[float] = _doc(None, "decay of an exponential moving average of weights used for evaluation",
+                                bounds="(0, 1)")
     checkpoint_every: int = _doc(0, "steps between checkpoints (0 = only every epoch and at the end)")
     keep_checkpoints: int = _doc(3, "checkpoints kept on disk (the newest ones)")
     max_steps: Optional[int] = _doc(None, "stop after this many steps (tests, benchmarks)")
@@ -284,7 +326,7 @@ class CommConfig(Section):
     inter: Optional[str] = _doc(None, OPTIONS["inter"].doc)
     small_bytes: Optional[int] = _doc(None, OPTIONS["small_bytes"].doc)
     timeout_s: float = _doc(600.0, "collective timeout in seconds (1 to a week); when it fires the error names the "
-                                    "missing ranks")
+                                    "missing ranks", bounds="[1, 604800]")
 
     def validate(self) -> None:
         """Also the checks the comm hook makes (`comm.dispatch.resolve`), so that a run of any world size, and
@@ -307,8 +349,8 @@ class CommConfig(Section):
 
 @dataclass
 class EnsembleConfig(Section):
-    cycles: int = _doc(0, "Collapsed Ensemble: cycles after the base schedule (0 = off)")
-    cycle_epochs: float = _doc(2.0, "epochs of one cycle: re-warm-up then poly-2 decay")
+    cycles: int = _doc(0, "Collapsed Ensemble: cycles after the base schedule (0 = off)", bounds="[0, 1000]")
+    cycle_epochs: float = _doc(2.0, "epochs of one cycle: re-warm-up then poly-2 decay", bounds="(0, 1000000]")
     rewarm_epochs: float = _doc(0.5, "re-warm-up epochs at the start of each cycle")
     cycle_lr_factor: float = _doc(0.5, "peak lr of a cycle relative to the base peak lr")
     collapse_epochs: float = _doc(1.0, "collapse: augmentation off, weight decay x factor, lr poly-2 to zero")
@@ -427,14 +469,51 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
         ok = isinstance(value, str)
     elif tp is list or origin is list:
         ok = isinstance(value, list)
+        item = (typing.get_args(tp) or (None,))[0]
+        if ok and isinstance(item, type) and issubclass(item, Item):
+            return [_item_from_dict(f"{where}[{i}]", item, entry) for i, entry in enumerate(value)]
     elif tp is dict or origin is dict:
         ok = isinstance(value, dict)
     if not ok:
-        raise UserError(f"{where} must be a {_type_name(tp)}, got {value!r}; fix it in the recipe or with --set {where}=VALUE.")
+        fix = "" if "[" in where else f" or with --set {where}=VALUE"   # an entry of a list key: the recipe's
+        raise UserError(f"{where} must be a {_type_name(tp)}, got {value!r}; fix it in the recipe{fix}.")
     choices = meta.get("choices")
     if choices and value not in choices:
         raise UserError(f"{where} is {value!r}; valid values: {', '.join(choices)}.")
     return value
+
+
+def _item_types(cls: type) -> dict[str, type]:
+    """The list keys of a section whose entries are `Item`s: key -> entry type."""
+    out = {}
+    for key, tp in typing.get_type_hints(cls).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
+        if args and isinstance(args[0], type) and issubclass(args[0], Item):
+            out[key] = args[0]
+    return out
+
+
+def _item_from_dict(where: str, cls: type, data: Any) -> Any:
+    """An entry of a list key (`Item`) from its mapping: the same strict rules as a section, plus required keys."""
+    if isinstance(data, cls):
+        return data
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [name for name, f in fields.items() if f.metadata.get("required")]
+    if not isinstance(data, dict):
+        raise UserError(f"{where} must be a mapping with {' and '.join(required)}"
+                        f"{' (and optionally ' + ', '.join(set(fields) - set(required)) + ')' if len(fields) > len(required) else ''}"
+                        f", got {data!r}.")
+    unknown = sorted(str(k) for k in data if k not in fields)
+    if unknown:
+        raise UserError(f"{where} has unknown keys {unknown}; valid: {', '.join(fields)}.")
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise UserError(f"{where} must give {' and '.join(required)}; it lacks {', '.join(missing)} ({data!r}).")
+    hints = typing.get_type_hints(cls)
+    item = cls(**{key: _coerce(f"{where}.{key}", value, hints[key], dict(fields[key].metadata))
+                  for key, value in data.items()})
+    item.validate(where)
+    return item
 
 
 def _section_from_dict(name: str, cls: type, data: Any) -> Any:
@@ -446,6 +525,8 @@ def _section_from_dict(name: str, cls: type, data: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if f"{name}.{key}" in RENAMED:
+            raise UserError(f"{name}.{key} is now {RENAMED[f'{name}.{key}']}; rename it in the recipe.")
         if key not in fields:
             raise UserError(f"unknown key {name}.{key}{_suggest(str(key), list(fields))}; "
                             f"valid keys of {name}: {', '.join(fields)}.")
@@ -453,10 +534,13 @@ def _section_from_dict(name: str, cls: type, data: Any) -> Any:
     return cls(**kwargs)
 
 
-def from_dict(data: dict, recipe: str = "custom") -> Config:
+def from_dict(data: dict, recipe: str = "custom", saved: bool = False) -> Config:
+    """The validated Config of a recipe mapping; `saved`: a run's own config.yaml, whose keys from an older
+    largebatch are read as the current ones (`RENAMED`)."""
     if not isinstance(data, dict):
         raise UserError(f"recipe {recipe!r} must be a YAML mapping of sections ({', '.join(SECTIONS)}).")
-    data = dict(data)
+    data = _upgrade_saved(data) if saved else dict(data)
+    check_one_batch(data, f"recipe {recipe!r}")
     data.pop("recipe", None)
     for name in data:
         if name not in SECTIONS:
@@ -466,6 +550,51 @@ def from_dict(data: dict, recipe: str = "custom") -> Config:
     cfg = Config(**sections, recipe=recipe)
     validate(cfg)
     return cfg
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as `largebatch config` and docs/config.md show it, read from its dataclass field."""
+
+    key: str          # section.key, or section.key[].field for an entry of a list key
+    type: str
+    default: str
+    bounds: str       # choices, sign or range; "" when any value of the type goes
+    doc: str
+
+
+def _bounds(key: str, meta: Any) -> str:
+    if meta.get("choices"):
+        return ", ".join(meta["choices"])
+    if meta.get("bounds"):
+        return meta["bounds"]
+    if key in POSITIVE:
+        return "> 0"
+    if key in NON_NEGATIVE:
+        return ">= 0"
+    return ""
+
+
+def reference() -> list[KeyDoc]:
+    """Every config key in section order, from the dataclasses (type, default, bounds, doc), the entries of a
+    list key (a phase) after it: the one source of `largebatch config` and docs/config.md."""
+    rows = []
+
+    def add(prefix: str, cls: type, instance: Any) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}"
+            default = None if f.metadata.get("required") else getattr(instance, f.name, f.default)
+            shown_default = "required" if f.metadata.get("required") else shown(default) if default is not None else "null"
+            item = _item_types(cls).get(f.name)
+            type_name = f"list of {item.__name__}" if item else _type_name(hints[f.name])
+            rows.append(KeyDoc(key, type_name, shown_default, _bounds(key, f.metadata), f.metadata.get("doc", "")))
+            if item is not None:
+                add(f"{key}[]", item, None)
+
+    for name, cls in SECTIONS.items():
+        add(name, cls, cls())
+    return rows
 
 
 def list_recipes() -> list[str]:
@@ -521,7 +650,10 @@ def load_yaml(path: Path, what: str = "recipe") -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `section.key=value` strings; values are parsed as YAML (so 3, 0.1, true, [1, 2] work)."""
+    """Apply `section.key=value` strings; values are parsed as YAML (so 3, 0.1, true, [1, 2] work).
+    batch.global_batch and batch.phases are two spellings of one setting, the batch: one given by an override
+    replaces the other, as a later --set of one key replaces an earlier (a recipe file giving both is refused:
+    `check_one_batch`)."""
     data = json.loads(json.dumps(data))
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
@@ -545,25 +677,60 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if data[section] is None:
             data[section] = {}
         data[section][key] = value
+        if isinstance(data[section], dict) and (dotted == "batch.global_batch" or (dotted == "batch.phases" and value)):
+            data[section].pop("phases" if key == "global_batch" else "global_batch", None)   # one setting: the batch
     return data
 
 
 def load(recipe: str = "fashion_mnist", overrides: list[str] | None = None) -> Config:
     path = resolve_recipe(recipe)
-    data = apply_overrides(load_yaml(path), overrides or [])
+    base = load_yaml(path)
+    check_one_batch(base, f"recipe {path}")
+    data = apply_overrides(base, overrides or [])
     name = path.stem if path.parent == RECIPES_DIR else str(path)
     return from_dict(data, recipe=name)
+
+
+def check_one_batch(data: dict, where: str) -> None:
+    """batch.global_batch beside a non-empty batch.phases would be ignored (each phase names its own batch): one
+    sentence naming where both were given."""
+    batch = data.get("batch")
+    if isinstance(batch, dict) and "global_batch" in batch and batch.get("phases"):
+        raise UserError(f"{where} gives both batch.global_batch and batch.phases; with phases each phase names its "
+                        "global batch (the run starts with the first's), so remove batch.global_batch, or set "
+                        "batch.phases to [] for one global batch throughout.")
+
+
+# Keys a run's config.yaml may hold from an older largebatch, and what they became: `from_dict(saved=True)` reads
+# them into the new keys (evaluate, resume); a recipe that uses one gets a sentence naming the new key.
+RENAMED = {"optim.eps": "optim.lars_eps (LARS) or optim.lamb_eps (LAMB)"}
+
+
+def _upgrade_saved(data: dict) -> dict:
+    """A run's config.yaml as the current keys: optim.eps into the running optimizer's own eps, and
+    batch.global_batch beside phases dropped (the run ignored it; the first phase's batch is its start)."""
+    data = json.loads(json.dumps(data))
+    optim, batch = data.get("optim"), data.get("batch")
+    if isinstance(optim, dict) and "eps" in optim:
+        eps = optim.pop("eps")
+        if optim.get("name") == "lamb" and _is_number(eps) and eps > 0:
+            optim["lamb_eps"] = eps
+        elif optim.get("name") == "lars":
+            optim["lars_eps"] = eps
+    if isinstance(batch, dict) and batch.get("phases"):
+        batch.pop("global_batch", None)
+    return data
 
 
 # Numeric keys checked by `validate`: > 0, and >= 0.
 POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset", "data.val_split",
             "batch.global_batch", "batch.micro_batch", "batch.accumulation",
-            "optim.lr", "optim.reference_batch", "optim.trust_coefficient",
+            "optim.lr", "optim.reference_batch", "optim.trust_coefficient", "optim.lamb_eps",
             "schedule.epochs", "schedule.gamma", "schedule.power",
             "train.threads", "train.max_steps", "train.log_every", "train.keep_checkpoints",
             "comm.bucket_mb", "comm.timeout_s", "comm.pipeline", "comm.local_size",
             "ensemble.cycle_epochs", "ensemble.cycle_lr_factor", "ensemble.collapse_wd_factor")
-NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.eps",
+NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.lars_eps",
                 "schedule.warmup_epochs", "schedule.warmup_start_lr", "schedule.end_lr",
                 "train.seed", "train.eval_every", "train.checkpoint_every", "train.max_nonfinite", "comm.small_bytes",
                 "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")
@@ -597,9 +764,9 @@ def _check_distinct_starts(where: str, phases: list) -> None:
     """Phases take effect in start_epoch order (listed in any order); two with one start_epoch are ambiguous."""
     seen: dict[Any, int] = {}
     for i, phase in enumerate(phases):
-        start = phase["start_epoch"]
+        start = phase.start_epoch
         if start in seen:
-            raise UserError(f"{where}[{i}].start_epoch is {start!r}, the same as {where}[{seen[start]}]'s; "
+            raise UserError(f"{where}[{i}].start_epoch is {start:g}, the same as {where}[{seen[start]}]'s; "
                             "phases need strictly increasing start epochs, so give each phase its own.")
         seen[start] = i
 
@@ -610,9 +777,9 @@ def _peak_lrs(cfg: "Config") -> tuple[list[float], str]:
     from largebatch.schedule import scaled_lr
 
     o = cfg.optim
-    phases = sorted(cfg.batch.phases, key=lambda p: p["start_epoch"]) or [{"global_batch": cfg.batch.global_batch}]
-    peaks = [p["lr"] if p.get("lr") is not None else
-             scaled_lr(o.lr, p["global_batch"], o.reference_batch, o.scaling_rule) for p in phases]
+    phases = sorted(cfg.batch.phases, key=lambda p: p.start_epoch) or [BatchPhase(0, cfg.batch.global_batch)]
+    peaks = [p.lr if p.lr is not None else scaled_lr(o.lr, p.global_batch, o.reference_batch, o.scaling_rule)
+             for p in phases]
     return peaks, f"optim.lr {o.lr:g} scaled to the global batch {cfg.batch.global_batch}"
 
 
@@ -661,10 +828,13 @@ def validate(cfg: Config) -> None:
 
 def save(cfg: Config, path: Path) -> None:
     """config.yaml of a run: whole or absent (a full disk leaves no empty file), never written through a symbolic
-    link (`checkpoint.atomic_write`: O_NOFOLLOW)."""
+    link (`checkpoint.atomic_write`: O_NOFOLLOW); a recipe that trains the same run again."""
     from largebatch.checkpoint import atomic_write
 
-    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    data = cfg.to_dict()
+    if cfg.batch.phases:   # derived from the phases: a recipe gives one or the other (check_one_batch)
+        data["batch"].pop("global_batch")
+    atomic_write(path, yaml.safe_dump(data, sort_keys=False).encode())
 
 
 # ---------------------------------------------------------------------------
@@ -710,7 +880,13 @@ def shown(value: Any) -> str:
 def resume_changes(old: dict, new: Config) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) for every key whose value differs from `old` (the config a checkpoint was written
     with); a key that `old` lacks (written by an older version) is not compared."""
-    before, after = _flat(old), _flat(new.to_dict())
+    before, after = _flat(_upgrade_saved(old) if isinstance(old, dict) else old), _flat(new.to_dict())
+    for key, cls in (("batch.phases", BatchPhase), ("data.resolution_phases", ResolutionPhase)):
+        if isinstance(before.get(key), list):   # as the typed loader reads them (a phase without lr: lr None)
+            with contextlib.suppress(UserError, TypeError):
+                before[key] = [dataclasses.asdict(_item_from_dict(key, cls, v)) for v in before[key]]
+    if new.batch.phases:   # derived from the phases, which are compared
+        after.pop("batch.global_batch")
     return [(key, before[key], value) for key, value in after.items() if key in before and before[key] != value]
 
 

@@ -27,6 +27,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 from largebatch.errors import UserError
 
@@ -102,14 +103,20 @@ class Segment:
     peak_lr: float
 
 
-def resolution_at(phases: list[dict], epoch: float) -> int | None:
+class _OnePhase(NamedTuple):
+    start_epoch: int
+    global_batch: int
+    lr: Optional[float]
+
+
+def resolution_at(phases: list, epoch: float) -> int | None:
     """Training image size at (fractional) `epoch` under progressive resizing, or None for the data's
     own size: the image_size of the last phase whose start_epoch is <= epoch (fast.ai's DAWNBench
     ImageNet runs trained at 128, then 224, then 288 px; FFCV ramps the same way)."""
     size = None
-    for p in sorted(phases, key=lambda p: p["start_epoch"]):
-        if p["start_epoch"] <= epoch:
-            size = p["image_size"]
+    for p in sorted(phases, key=lambda p: p.start_epoch):   # config.ResolutionPhase
+        if p.start_epoch <= epoch:
+            size = p.image_size
     return size
 
 
@@ -148,34 +155,26 @@ class Plan:
         self.ensemble = ensemble_cfg if ensemble_cfg is not None and ensemble_cfg.cycles > 0 else None
         self.epochs = self.base_epochs + (self.ensemble.cycles * self.ensemble.cycle_epochs if self.ensemble else 0)
         self.start_lr = optim_cfg.lr if schedule_cfg.warmup_start_lr is None else schedule_cfg.warmup_start_lr
-        raw = batch_cfg.phases or [{"start_epoch": 0, "global_batch": batch_cfg.global_batch}]
-        raw = sorted(raw, key=lambda p: p["start_epoch"])
-        if raw[0]["start_epoch"] != 0:
-            raise UserError(f"batch.phases must start at epoch 0 (the first starts at {raw[0]['start_epoch']}); "
+        one = [_OnePhase(0, batch_cfg.global_batch, None)]   # no phases: one global batch throughout
+        raw = sorted(batch_cfg.phases or one, key=lambda p: p.start_epoch)   # config.BatchPhase
+        if raw[0].start_epoch != 0:
+            raise UserError(f"batch.phases must start at epoch 0 (the first starts at {raw[0].start_epoch}); "
                             "add a phase with start_epoch: 0.")
         phases: list[Phase] = []
         step = 0
         for i, p in enumerate(raw):
-            start = p["start_epoch"]
-            if not isinstance(start, int) or isinstance(start, bool):
-                raise UserError(f"batch.phases[{i}].start_epoch is {start!r}; phases begin at whole epochs, give an integer.")
-            end = raw[i + 1]["start_epoch"] if i + 1 < len(raw) else self.epochs
+            start, gb = p.start_epoch, p.global_batch
+            end = raw[i + 1].start_epoch if i + 1 < len(raw) else self.epochs
             if end <= start or start >= self.epochs:
                 raise UserError(f"batch.phases[{i}] starts at epoch {start}, at or after where it ends ({end}); "
                                 f"phases need increasing start epochs below schedule.epochs = {self.epochs}.")
-            gb = p["global_batch"]
-            if not isinstance(gb, int) or gb <= 0:
-                raise UserError(f"batch.phases[{i}].global_batch is {gb!r}; give a positive integer.")
             if gb > train_size:
                 raise UserError(f"global batch {gb} is larger than the {train_size} training images; "
                                 "use a smaller batch.")
             where = f"batch.phases[{i}].global_batch" if batch_cfg.phases else "batch.global_batch"
             micro, accum = split_batch(gb, world_size, batch_cfg.micro_batch, batch_cfg.accumulation, where)
-            peak = p.get("lr")
-            if peak is None:
-                peak = scaled_lr(optim_cfg.lr, gb, optim_cfg.reference_batch, optim_cfg.scaling_rule)
-            elif not isinstance(peak, (int, float)) or peak <= 0:
-                raise UserError(f"batch.phases[{i}].lr is {peak!r}; give a positive number or leave it out.")
+            peak = p.lr if p.lr is not None else scaled_lr(optim_cfg.lr, gb, optim_cfg.reference_batch,
+                                                           optim_cfg.scaling_rule)
             spe = train_size // gb
             phase = Phase(start, end, gb, float(peak), micro, accum, spe, step)
             phases.append(phase)

@@ -90,10 +90,11 @@ def test_progressive_resizing():
     batch is float in uint8/255 units, in the model's memory format."""
     import torch
 
+    from largebatch.config import ResolutionPhase
     from largebatch.schedule import resolution_at
     from largebatch.layout import resize_batch
 
-    phases = [{"start_epoch": 3, "image_size": 28}, {"start_epoch": 0.5, "image_size": 20}]
+    phases = [ResolutionPhase(3, 28), ResolutionPhase(0.5, 20)]
     assert [resolution_at(phases, e) for e in (0, 0.49, 0.5, 2.99, 3, 10)] == [None, None, 20, 20, 28, 28]
     assert resolution_at([], 5) is None
     x = torch.full((2, 1, 28, 28), 255, dtype=torch.uint8)

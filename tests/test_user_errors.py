@@ -126,11 +126,11 @@ def test_yaml_1_1_exponent_floats_are_numbers(main, capsys, tmp_path):
 
     cfg = config.load("fashion_mnist", ["batch.phases=[{start_epoch: 0, global_batch: 256, lr: 1e-3}]",
                                         "schedule.decay=step", "schedule.milestones=[1e0, 2e0]"])
-    assert cfg.batch.phases[0]["lr"] == 0.001 and cfg.schedule.milestones == [1.0, 2.0]
+    assert cfg.batch.phases[0].lr == 0.001 and cfg.schedule.milestones == [1.0, 2.0]
     cfg = config.load("fashion_mnist", ["batch.phases=[{start_epoch: 0e0, global_batch: 1e3}]",   # whole numbers
                                         "data.resolution_phases=[{start_epoch: 0, image_size: 2.8e1}]"])
-    assert cfg.batch.phases[0]["global_batch"] == 1000 and isinstance(cfg.batch.phases[0]["global_batch"], int)
-    assert cfg.data.resolution_phases[0]["image_size"] == 28
+    assert cfg.batch.phases[0].global_batch == 1000 and isinstance(cfg.batch.phases[0].global_batch, int)
+    assert cfg.data.resolution_phases[0].image_size == 28
     recipe = tmp_path / "r.yaml"
     recipe.write_text("optim:\n  lr: 2e-1\n  betas: [9e-1, 9.99e-1]\nschedule:\n  epochs: 3\n  decay: cosine\n")
     cfg = config.load(str(recipe))
@@ -383,11 +383,11 @@ def test_plan_refuses_a_global_batch_larger_than_the_dataset(main):
     ("schedule.milestones=[a]", "schedule.milestones has 'a'; give a list of epochs"),
     ("schedule.milestones=[.nan]", "schedule.milestones has nan"),
     ("schedule.milestones=[-5]", "schedule.milestones has -5"),
-    ("data.resolution_phases=[{start_epoch: .nan, image_size: 8}]", "start_epoch is nan; give a number >= 0"),
+    ("data.resolution_phases=[{start_epoch: .nan, image_size: 8}]", "data.resolution_phases[0].start_epoch is nan; give a finite number"),
     ("batch.phases=[{start_epoch: 0, global_batch: 64}, {start_epoch: a, global_batch: 32}]",
-     "batch.phases[1].start_epoch is 'a'; give a whole number"),
-    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: .nan}]", "batch.phases[0].lr is nan; give a positive"),
-    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: true}]", "batch.phases[0].lr is True"),
+     "batch.phases[1].start_epoch must be a whole number, got 'a'; fix it in the recipe"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: .nan}]", "batch.phases[0].lr is nan; give a finite number"),
+    ("batch.phases=[{start_epoch: 0, global_batch: 64, lr: true}]", "batch.phases[0].lr must be a number, got True"),
     ("batch.phases=[{start_epoch: 0, global_batch: 64}, {start_epoch: 0, global_batch: 32}]",
      "batch.phases[1].start_epoch is 0, the same as batch.phases[0]'s; phases need strictly increasing start epochs"),
     ("data.resolution_phases=[{start_epoch: 1, image_size: 16}, {start_epoch: 1, image_size: 20}]",

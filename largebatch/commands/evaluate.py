@@ -48,7 +48,7 @@ def load_run_config(run_dir: Path):
     if not path.is_file():
         raise UserError(f"{path} does not exist; give the run directory of a largebatch train run.")
     data = config_mod.load_yaml(path, what="run config")
-    return config_mod.from_dict(data, recipe=str(data.get("recipe", "custom")))
+    return config_mod.from_dict(data, recipe=str(data.get("recipe", "custom")), saved=True)
 
 
 def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path: Path | None = None,

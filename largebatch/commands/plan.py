@@ -130,9 +130,9 @@ def recipe_values(recipe: str) -> dict[str, Any]:
     if d.subset is not None:
         out["train_size"] = d.subset
     if cfg.batch.phases:
-        out["batch_phases"] = [(float(ph["start_epoch"]), int(ph["global_batch"])) for ph in cfg.batch.phases]
+        out["batch_phases"] = [(float(ph.start_epoch), ph.global_batch) for ph in cfg.batch.phases]
     if d.resolution_phases:
-        out["resolution_phases"] = [(float(ph["start_epoch"]), int(ph["image_size"])) for ph in d.resolution_phases]
+        out["resolution_phases"] = [(float(ph.start_epoch), ph.image_size) for ph in d.resolution_phases]
     if cfg.comm.grid is not None:
         out["grid"] = cfg.comm.grid
     if cfg.comm.inter is not None:

@@ -68,7 +68,7 @@ def build_classifier(cfg: Config, info, device: torch.device | None = None, chan
     net, built = build_model_recorded(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels,
                                       stem=stem, zero_init_residual=cfg.model.zero_init_residual,
                                       width=cfg.model.width)
-    smallest = min([info.image_size] + [p["image_size"] for p in cfg.data.resolution_phases])
+    smallest = min([info.image_size] + [p.image_size for p in cfg.data.resolution_phases])
     _check_input_size(net, cfg.model.name, info.in_channels, smallest,
                       "data.image_size" if smallest == info.image_size else "image_size in data.resolution_phases")
     model = Classifier(Normalize(info.mean, info.std), net).to(device)

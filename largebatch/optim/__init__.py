@@ -53,14 +53,13 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
     if cfg.name == "lars":
         if cfg.nesterov and cfg.momentum == 0:
             raise UserError("optim.nesterov needs optim.momentum > 0; set a momentum (e.g. 0.9) or nesterov: false.")
-        if cfg.trust_coefficient <= 0 or cfg.eps < 0:
-            raise UserError(f"LARS needs optim.trust_coefficient > 0 and optim.eps >= 0, got "
-                            f"{cfg.trust_coefficient} and {cfg.eps}; fix them in the recipe.")
+        if cfg.trust_coefficient <= 0 or cfg.lars_eps < 0:
+            raise UserError(f"LARS needs optim.trust_coefficient > 0 and optim.lars_eps >= 0, got "
+                            f"{cfg.trust_coefficient} and {cfg.lars_eps}; fix them in the recipe.")
         return LARS(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                    trust_coefficient=cfg.trust_coefficient, eps=cfg.eps, nesterov=cfg.nesterov)
+                    trust_coefficient=cfg.trust_coefficient, eps=cfg.lars_eps, nesterov=cfg.nesterov)
     if cfg.name == "lamb":
-        # optim.eps is shared with LARS, whose default is 0; LAMB needs eps > 0 and uses 1e-6 then.
-        eps = cfg.eps if cfg.eps > 0 else 1e-6
+        eps = cfg.lamb_eps
         betas = tuple(cfg.betas)
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise UserError(f"optim.betas is {cfg.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999].")
