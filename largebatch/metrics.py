@@ -286,17 +286,33 @@ def write_outputs(run_dir: Path, summary: dict, corrupt: list[str], *, plots: bo
         plot(read(run_dir / "metrics.jsonl"), run_dir / "plots")
     if tensorboard:
         write_tensorboard(run_dir)
+    write_summary(run_dir, summary)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """RUN_DIR/summary.json, whole or absent, never through a link."""
     write_own(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+
+STATUSES = ("finished", "diverged")   # summary.json's status; a run stopped by a signal has no summary (it resumes)
+
+
+def diverged_summary(*, recipe: str, run_dir: Path, reason: str, epochs: float, steps: int, world_size: int,
+                     machine: str) -> dict:
+    """summary.json of a run that diverged: no evaluation, the trainer's sentence, where it stopped."""
+    return {"status": "diverged", "recipe": recipe, "run_dir": str(run_dir), "reason": reason,
+            "epochs": round(epochs, 4), "steps": steps, "world_size": world_size, "machine": machine}
 
 
 def run_summary(*, recipe: str, run_dir: Path, last_eval: dict, progress, wall_s: float, epochs: float, steps: int,
                 world_size: int, global_batch: int, corrupt_images: int, precision: str, threads: int,
                 ensemble: dict, machine: str) -> dict:
-    """summary.json's content: the last evaluation, the best top-1 of the run, its size and speed (images/s over
+    """summary.json's content for a run that finished (status "finished"; `diverged_summary` for one that
+    diverged; a stopped run has none, and resumes): the last evaluation, the best top-1 of the run, its size and speed (images/s over
     the time spent in training steps, data waits included), the machine of rank 0 (`machine()`; a resumed run
     names the machine that finished it), and the Collapsed Ensemble's record if any."""
     return {
-        "recipe": recipe, "run_dir": str(run_dir),
+        "status": "finished", "recipe": recipe, "run_dir": str(run_dir),
         "final_top1": last_eval["top1"], "final_top5": last_eval["top5"], "final_loss": last_eval["loss"],
         "best_top1": max(progress.best_top1, last_eval["top1"]), "epochs": round(epochs, 4), "steps": steps,
         "wall_s": wall_s, "train_images_per_s": progress.images_seen / max(progress.train_time, 1e-9),

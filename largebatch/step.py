@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 TOTAL, RUN, DIVERGED_AT, STEP = range(4)
 
 
+
+class Diverged(UserError):
+    """Training diverged (more than train.max_nonfinite consecutive non-finite steps): a result of the settings,
+    said in one sentence; the trainer records it as the run's status (summary.json, status "diverged")."""
+
 class TrainStep:
     """Steps 1-5 over the parts a trainer builds; call it with the step's micro-batches."""
 
@@ -144,7 +149,7 @@ class TrainStep:
         self.counters[TOTAL].zero_()
         self.progress.nonfinite_total += total
         if diverged_at >= 0:
-            raise UserError(f"training diverged: {self.max_nonfinite + 1} consecutive steps with non-finite loss or "
+            raise Diverged(f"training diverged: {self.max_nonfinite + 1} consecutive steps with non-finite loss or "
                             f"gradients at step {diverged_at}; lower optim.lr, lengthen schedule.warmup_epochs "
                             "or use optim.name=lars.")
 

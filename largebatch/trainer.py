@@ -32,7 +32,7 @@ from largebatch.models.classifier import build_classifier
 from largebatch.noise_scale import NoiseScale
 from largebatch.progress import LogWindow, Progress
 from largebatch.schedule import Plan, resolution_at
-from largebatch.step import TrainStep
+from largebatch.step import Diverged, TrainStep
 
 if TYPE_CHECKING:
     from largebatch.comm.hook import CommHookState
@@ -240,6 +240,14 @@ class Trainer:
         """Train to the end (or to an agreed stop); the summary. Stops the watchdog's publisher after."""
         try:
             return self._fit()
+        except Diverged as err:   # a result of the settings: recorded as the run's status, then said
+            if self.main:
+                metrics_mod.write_summary(self.run_dir, metrics_mod.diverged_summary(
+                    recipe=self.cfg.recipe, run_dir=self.run_dir, reason=str(err),
+                    epochs=self.plan.epoch_float(self.step), steps=self.step, world_size=self.info.world_size,
+                    machine=metrics_mod.machine(self.device)))
+            self.metrics.close()
+            raise
         finally:
             self.close()
 

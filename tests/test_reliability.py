@@ -189,7 +189,7 @@ def test_nonfinite_steps_are_skipped_counted_then_abort(tmp_path, monkeypatch):
     trainer = Trainer(_tiny(tmp_path), tmp_path / "skip", quiet=True)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     summary = trainer.fit()
-    assert summary["nonfinite_steps"] == 2 and summary["steps"] == 4
+    assert summary["nonfinite_steps"] == 2 and summary["steps"] == 4 and summary["status"] == "finished"
     after = trainer.model.state_dict()
     assert all(torch.isfinite(v.float()).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)   # the finite steps did update

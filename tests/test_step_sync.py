@@ -6,6 +6,7 @@ torch's AveragedModel."""
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -97,6 +98,10 @@ def test_the_divergence_stop_names_the_step_where_it_happened_and_waits_for_a_lo
         with pytest.raises(UserError, match="3 consecutive steps with non-finite loss or gradients at step 3;"):
             trainer.fit()
         assert trainer.step == 5   # read at the first logging step after it
+        # the run's status, for a study and any reader: diverged, with the sentence and where it stopped
+        summary = json.loads((trainer.run_dir / "summary.json").read_text())
+        assert summary["status"] == "diverged" and summary["steps"] == 5 and "final_top1" not in summary
+        assert summary["reason"].startswith("training diverged: 3 consecutive steps")
     finally:
         trainer.close()
 

@@ -133,6 +133,28 @@ def test_a_damaged_study_json_or_summary_is_named_before_any_cell_trains(cli, tm
         path.write_bytes(good_json if path.name == "study.json" else good_summary)
 
 
+def test_a_study_reads_a_diverged_cell_from_its_summary_status(tmp_path):
+    """A cell whose training diverges (the fault knob poisons every step) writes summary.json with status diverged
+    and the trainer's sentence; the study counts it as a result (diverged, no top-1), not a failure, and a
+    re-run takes it as done. A status that is neither finished nor diverged is one sentence naming the file."""
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "largebatch", "study", "batch-scaling", *TINY, "--set", "train.max_nonfinite=1",
+            "--epochs", "1", "--lr-grid", "sgd:0.1", "--val-split", "32", "--out", str(out)]
+    env = {**os.environ, "LARGEBATCH_FAULTS": "nan@0:0-99"}
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0 and "lr 0.1 seed 0 diverged" in proc.stderr, proc.stdout + proc.stderr
+    summary = json.loads((out / "runs" / "sgd-b32-lr0.1-s0" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["reason"].startswith("training diverged: 2 consecutive")
+    cells = json.loads((out / "study.json").read_text())["cells"]
+    assert [(c["diverged"], c["top1"]) for c in cells] == [(True, None)]
+    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=240)
+    assert again.returncode == 0 and "study cell" not in again.stderr, again.stderr   # done: not trained again
+    with pytest.raises(UserError, match="has status 'exploded', not one of finished, diverged"):
+        path = out / "runs" / "sgd-b32-lr0.1-s0" / "summary.json"
+        path.write_text(json.dumps({**summary, "status": "exploded"}))
+        study.read_summary(path)
+
+
 def _tuning(tmp_path: Path, name: str, row: dict) -> Path:
     (tmp_path / name).mkdir()
     table = {"sgd@32/lr0.1": {"batch": 32, "optimizer": "sgd", "lr": 0.1, "top1_mean": 0.7, **row}}

@@ -58,6 +58,7 @@ from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.rundir import refuse_system
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
+from largebatch.metrics import STATUSES
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
 OPTIMIZER_SETTINGS: dict[str, dict[str, object]] = {
@@ -294,7 +295,7 @@ def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = Non
     return list(args.overrides) + sets
 
 
-DIVERGED = "diverged.txt"   # a cell whose training diverged (the trainer's sentence): done, with no top-1
+DIVERGED = "diverged.txt"   # a cell that diverged before summary.json had a status: done, with no top-1
 
 
 def _cell_dir(out: Path, batch: int, opt: str, seed: int, lr: float | None = None) -> Path:
@@ -648,6 +649,11 @@ def read_summary(path: Path) -> dict:
         raise UserError(f"{path} is not readable JSON (cut short or edited?); {fix}.") from None
     if not isinstance(summ, dict):
         raise UserError(f"{path} is not a run's summary (a JSON {type(summ).__name__}); {fix}.")
+    status = summ.setdefault("status", "finished")   # summaries written before the status were of finished runs
+    if status not in STATUSES:
+        raise UserError(f"{path} has status {status!r}, not one of {', '.join(STATUSES)}; {fix}.")
+    if status == "diverged":   # no evaluation: the trainer's sentence and where it stopped
+        return summ
     need = {"final_top1": "a top-1 between 0 and 1", "final_top5": "a top-5 between 0 and 1",
             "final_loss": "a number", "steps": "a whole number of steps", "wall_s": "seconds", "epochs": "epochs"}
     optional = ("ensemble_top1", "best_snapshot_top1", "ensemble_gain", "swa_top1")
@@ -715,7 +721,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
     summary without one) and ensemble figures. With `stop`, a signal to the study stops the cell (step 5): its
     record says interrupted."""
     summary_path = run_dir / "summary.json"
-    diverged_path = run_dir / DIVERGED
+    diverged_path = run_dir / DIVERGED   # the marker of cells run before summary.json had a status
     argv = ["train", args.recipe, "--nproc-per-node", str(args.nproc_per_node), "--run-dir", str(run_dir),
             *[x for kv in sets for x in ("--set", kv)]]
     command = " ".join(shlex.quote(c) for c in ["largebatch", *argv])
@@ -741,26 +747,24 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 finally:
                     if stop is not None:
                         stop.group = None
-            diverged = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines()
-                        if "training diverged" in line]
-            if stop is not None and stop.signum is not None and not summary_path.exists():
+            status = read_summary(summary_path)["status"] if summary_path.exists() else None
+            if stop is not None and stop.signum is not None and status is None:
                 interrupted = True
                 console.print(f"study: cell {label} stopped by signal {stop.signum} with a checkpoint; it resumes "
                               "when the study is run again")
-            elif proc.returncode == 2 and diverged:   # a result, not a failure: this lr is too large here
-                write_file(diverged_path, diverged[-1] + "\n")   # whole or absent (a full disk)
+            elif status == "diverged":   # a result, not a failure: this lr is too large here
                 console.print(f"study: {label} diverged")
             elif proc.returncode != 0:
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
             else:
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
-    cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None,
-                            "diverged": diverged_path.exists() and not summary_path.exists(),
+    summ = read_summary(summary_path) if summary_path.exists() else None
+    status = summ["status"] if summ is not None else "diverged" if diverged_path.exists() else None
+    cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None, "diverged": status == "diverged",
                             "command": command}
     if interrupted:
         cell["interrupted"] = True
-    if summary_path.exists():
-        summ = read_summary(summary_path)
+    if summ is not None and status == "finished":
         cell.update({"top1": summ["final_top1"], "top5": summ["final_top5"], "test_loss": summ["final_loss"],
                      "train_loss": _final_train_loss(run_dir), "steps": summ["steps"], "wall_s": summ["wall_s"],
                      "epochs": summ["epochs"], "noise_scale": _noise_scale(run_dir),
