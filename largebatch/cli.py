@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench speedrun": ("largebatch.commands.bench.speedrun", "Fashion-MNIST time-to-accuracy of a plain PyTorch CNN baseline"),
     "bench scaling": ("largebatch.commands.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
     "cluster run": ("largebatch.commands.cluster", "run a command on real separate hosts made of network namespaces"),
+    "study": ("largebatch.commands.experiment", "run an experiment file (experiments/*.yaml): its studies in order"),
     "study batch-scaling": ("largebatch.commands.study", "top-1 against global batch per optimizer"),
     "study batch-control": ("largebatch.commands.study_variants:main_batch_control",
                             "batch-size control against a fixed large batch at equal epochs"),

@@ -114,11 +114,19 @@ def read(path: Path) -> list[dict]:
     """The records of a metrics.jsonl, in order. A line that is no JSON (torn by a kill or a full disk mid-write,
     which only an older writer left) is skipped; a line that is JSON but no record a run writes (not an object, a
     kind that is no string, a number field that is no number, or a train or eval record without its numbers) is
-    a UserError naming the file and the line."""
-    if not path.exists():
+    a UserError naming the file and the line. A run whose metrics were compressed for results/ (metrics.jsonl.gz
+    beside no metrics.jsonl) is read from the compressed file."""
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.exists():
+        import gzip
+
+        text = gzip.decompress(packed.read_bytes()).decode(errors="replace")
+    elif path.exists():
+        text = path.read_text(errors="replace")
+    else:
         return []
     out = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             rec = json.loads(line)
         except ValueError:   # a line cut by a kill mid-write

@@ -2,14 +2,14 @@
 # Regenerate every figure of docs/communication.md in one go (about 4 minutes on a
 # 2-core machine; the 2x2 run needs root and iproute2 for `largebatch cluster run`).
 #
-#   scripts/bench_comm.sh [OUTDIR]      # default OUTDIR: docs/communication_data
+#   scripts/bench_comm.sh [OUTDIR]      # default OUTDIR: results/communication
 #
 # Writes OUTDIR/communication_1x4.{json,png}, communication_2x2.{json,png},
 # communication_training.json, ddp_step_native.json, cluster_training.json and the printed tables to OUTDIR/communication_bench.log;
 # prints the load average before and after and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-docs/communication_data}
+OUT=${1:-results/communication}
 LB=${LB:-.venv/bin/largebatch}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)          # absolute: the cluster's agents run in other namespaces

@@ -1,6 +1,6 @@
 """Stress the start-up and teardown of 2-worker runs under CPU load; count the exits that are not clean.
 
-    python scripts/stress_teardown.py --runs 100 --json docs/reliability_stress.json
+    python scripts/stress_teardown.py --runs 100 --json results/reliability/stress.json
 
 Each run is a real `largebatch train --nproc-per-node 2` (torch's elastic launcher, gloo, the watchdog's
 publisher thread on, as in every launched run) of the default recipe for a few steps, while `--hog`

@@ -135,7 +135,7 @@ def test_h200_catalog_entry_has_datasheet_sources_and_nvlink4():
     assert h200["default_intra"] == CATALOG["devices"]["h100"]["default_intra"] == "nvlink4"
     assert get_device("h200", "bf16").peak_flops == get_device("h100", "bf16").peak_flops
     src = CATALOG["stacks"]["largebatch"]["devices"]["h200"]["precisions"]["fp16"]["source"]
-    assert "largebatch bench train" in src and "2026-11-26" in src and "docs/gpu/bench_train.json" in src
+    assert "largebatch bench train" in src and "2026-11-26" in src and "results/gpu/bench_train.json" in src
 
 
 def test_p100_fp16_is_the_published_v100_ratio():

@@ -1,8 +1,8 @@
 """`largebatch study batch-scaling`: the cell plan (lr grid x seeds, or a tuning study's choices), the
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
-import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,13 +45,14 @@ def test_claims_only_keeps_the_baseline_and_each_claims_cell():
         study.claim_cells([64, 128], ["sgd", "lars"])
 
 
-def test_the_claims_script_reruns_the_committed_final_cells_exactly(tmp_path):
-    """scripts/reproduce_claims.sh re-checks docs/large_batch.md's claims from the committed tuning choices: its
-    cells are exactly the committed final cells the claims read (same lr, same --set list), 27 of them."""
+def test_the_claims_experiment_reruns_the_committed_final_cells_exactly(tmp_path):
+    """experiments/claims.yaml re-checks docs/large_batch.md's claims from the committed tuning choices: the plan
+    `largebatch study experiments/claims.yaml --dry-run` expands to is exactly the committed final cells the claims
+    read (same lr, same --set list, from schedules stated as fractions of the run), 27 of them."""
     lb = Path(sys.executable).parent / "largebatch"
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(["bash", "scripts/reproduce_claims.sh", str(tmp_path / "claims")], capture_output=True,
-                          cwd=root, text=True, env={**os.environ, "DRY_RUN": "1", "LB": str(lb)}, timeout=240)
+    proc = subprocess.run([str(lb), "study", "claims", "--dry-run", "--out", str(tmp_path / "claims")],   # by name
+                          capture_output=True, cwd=tmp_path, text=True, timeout=240)   # paths: the file's own
     assert proc.returncode == 0, proc.stderr
 
     def without_run_dir(command: str) -> str:
@@ -65,7 +66,7 @@ def test_the_claims_script_reruns_the_committed_final_cells_exactly(tmp_path):
     pairs = study.claim_cells([64, 384, 1536, 3072, 6144], ["sgd", "lars", "lamb"])
     committed = []
     for name in ("final", "batch_control/final", "ensemble/final"):
-        cells = json.loads((root / "docs/large_batch" / name / "study.json").read_text())["cells"]
+        cells = json.loads((root / "results/large_batch" / name / "study.json").read_text())["cells"]
         committed += [without_run_dir(c["command"]) for c in cells
                       if name != "final" or (c["batch"], c["optimizer"]) in pairs]
     assert len(listed) == 27 and sorted(listed) == sorted(committed)
@@ -371,13 +372,14 @@ def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_pa
     assert "Traceback" not in refused.stderr
 
 
-def test_study_cells_under_docs_are_committed_but_never_their_weights() -> None:
-    """A study's per-cell files under docs/large_batch/ are its evidence and what a stopped study resumes from:
-    git must not ignore them (the repository-wide runs/ rule once did), and must ignore their weights and run locks."""
+def test_study_cells_under_results_are_committed_but_never_their_weights() -> None:
+    """A study's per-cell files under results/ are its evidence and what a stopped study resumes from: git must
+    not ignore them (the repository-wide runs/ rule once did), and must ignore their weights, run locks, logs and
+    uncompressed per-step metrics (a cell keeps config.yaml, summary.json and metrics.jsonl.gz)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
         pytest.skip("not a git checkout: no .gitignore rules to check")
-    cell = "docs/large_batch/final/runs/sgd-b64-lr0.5-s0"
+    cell = "results/large_batch/final/runs/sgd-b64-lr0.5-s0"
 
     def ignored(rel: str) -> bool:
         proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", rel], cwd=root, capture_output=True,
@@ -386,8 +388,57 @@ def test_study_cells_under_docs_are_committed_but_never_their_weights() -> None:
             pytest.skip(f"git check-ignore could not run here: {proc.stderr.strip()}")
         return proc.returncode == 0
 
-    for name in ("summary.json", "metrics.jsonl", "config.yaml", "train.log"):
+    for name in ("summary.json", "metrics.jsonl.gz", "config.yaml"):
         assert not ignored(f"{cell}/{name}"), name
-    for name in ("checkpoints/step_00000100.pt", "snapshots/snapshot_1.pt", "model.pt", ".largebatch.lock"):
+    for name in ("checkpoints/step_00000100.pt", "snapshots/snapshot_1.pt", "model.pt", ".largebatch.lock",
+                 "train.log", "metrics.jsonl"):
         assert ignored(f"{cell}/{name}"), name
     assert ignored("runs/fashion_mnist-20261125/summary.json")   # a user's own runs stay out
+
+
+@pytest.mark.parametrize("name, results", [("batch_scaling", "results/large_batch"),
+                                           ("batch_control", "results/large_batch/batch_control"),
+                                           ("collapsed_ensemble", "results/large_batch/ensemble")])
+def test_each_experiment_file_expands_to_its_committed_study_cells(tmp_path, name, results):
+    """experiments/NAME.yaml is the whole protocol of the committed study in results/: its tuning studies (dry run
+    into a fresh directory) and then the studies that choose their lrs from those tunings (dry run beside copies
+    of the committed tunings' study.json) list exactly the committed cells' commands, every one of them. The
+    schedules are written once as fractions of the run; the 8-epoch tuning and the 24-epoch cells both follow."""
+    from largebatch.commands import experiment
+
+    lb = Path(sys.executable).parent / "largebatch"
+    root = Path(__file__).resolve().parent.parent
+    entries = experiment.load(root / "experiments" / f"{name}.yaml")["studies"]
+    dependent = [e["name"] for e in entries if "{out}" in str(e.get("from_tuning", ""))]
+    tunings = [e["name"] for e in entries if e["name"] not in dependent]
+    for tuning in tunings:
+        (tmp_path / "b" / tuning).mkdir(parents=True)
+        shutil.copy(root / results / tuning / "study.json", tmp_path / "b" / tuning / "study.json")
+    listed = []
+    for out, only in ((tmp_path / "a", tunings), (tmp_path / "b", dependent)):
+        proc = subprocess.run([str(lb), "study", name, "--dry-run", "--out", str(out), "--only", ",".join(only)],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        listed += [_without_run_dir(line.strip()) for line in proc.stderr.splitlines()
+                   if line.startswith("  largebatch train ")]
+    committed = [_without_run_dir(c["command"]) for study_name in tunings + dependent
+                 for c in json.loads((root / results / study_name / "study.json").read_text())["cells"]]
+    assert len(listed) == len(committed) > 0 and sorted(listed) == sorted(committed)
+
+
+def _without_run_dir(command: str) -> str:
+    words = shlex.split(command)
+    i = words.index("--run-dir")
+    return shlex.join(words[:i] + words[i + 2:])
+
+
+def test_committed_cells_keep_their_numbers_in_compressed_metrics() -> None:
+    """results/ keeps each cell's per-step metrics as metrics.jsonl.gz: read back (`metrics.read` takes the
+    compressed file where the plain one is absent), they give the study.json record's train loss and noise scale."""
+    root = Path(__file__).resolve().parent.parent / "results" / "large_batch" / "final"
+    cells = {Path(c["run_dir"]).name: c for c in json.loads((root / "study.json").read_text())["cells"]}
+    for name in ("sgd-b64-lr2-s0", "lars-b6144-lr1-s2"):
+        run_dir = root / "runs" / name
+        assert (run_dir / "metrics.jsonl.gz").is_file() and not (run_dir / "metrics.jsonl").exists()
+        assert study._final_train_loss(run_dir) == cells[name]["train_loss"]
+        assert study._noise_scale(run_dir) == cells[name]["noise_scale"]

@@ -324,7 +324,7 @@ def rows() -> list[Row]:
                    "single node of the mlperf-v4.0 H200 fit's configuration (8 H200, MXNet 24.04, 400 per GPU, "
                    "h200_ngc24.04_mxnet result_0.txt); evaluation every 4 epochs modelled"))
     for prec, published in (("fp16", 5610.62), ("bf16", 4413.28)):   # largebatch's own step: the default stack
-        out.append(Row("largebatch bench train (docs/gpu/bench_train.json, 2026-11-26)",
+        out.append(Row("largebatch bench train (results/gpu/bench_train.json, 2026-11-26)",
                        f"1 H200 {prec} channels_last, 256 per GPU", "images/s", published,
                        _ips("h200", 1, 256, None, precision=prec), "FIT (input)",
                        f"largebatch stack's H200 {prec} factor, the H200's default stack at {prec}"))
