@@ -1,6 +1,7 @@
 """`largebatch study batch-scaling`: the cell plan (lr grid x seeds, or a tuning study's choices), the
 summary and its writers, and a tiny real study that is interrupted, resumed, then run as a final study."""
 import json
+import math
 import shlex
 import shutil
 import subprocess
@@ -154,6 +155,12 @@ def test_a_study_continues_with_a_grown_lr_grid_or_tuning_list_only():
     assert not study.same_study(final, {**final, "from_tuning": "t/rerun, t/a, t/b"}, ["sgd"])  # not at the end
     assert not study.same_study(final, {**final, "from_tuning": "t/a, t/bc"}, ["sgd"])
     assert not study.same_study({**final, "from_tuning": None}, final, ["sgd"])       # a grid study is not a final
+    # the variant studies (batch-control, ensemble) follow the same rule with their one grid (--lr-grid A,B)
+    variants = {"batch": 3072, "epochs": 8, "lr_grid": "0.03125,0.0625", "from_tuning": None}
+    assert study.same_study(variants, {**variants, "lr_grid": "0.03125,0.0625,0.125"})
+    assert not study.same_study(variants, {**variants, "lr_grid": "0.0625"})
+    assert not study.same_study(variants, {**variants, "batch": 1536})
+    assert study.mean_std([0.5]) == (0.5, 0.0) and study.mean_std([1.0, 3.0]) == (2.0, math.sqrt(2.0))
 
 
 def test_each_cell_keeps_the_machine_it_ran_on_when_a_study_moves(tmp_path):

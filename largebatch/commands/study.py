@@ -112,11 +112,12 @@ def lr_grid(items: list[str], optimizers: list[str]) -> dict[str, list[float]]:
     return grid
 
 
-def same_study(old: dict, new: dict, optimizers: list[str]) -> bool:
+def same_study(old: dict, new: dict, optimizers: list[str] | None = None) -> bool:
     """Whether `new` settings continue the study stored with `old`: everything equal, except that the lr grid
     may grow (an optimum at the grid's edge is extended without re-running the cells already done), and so may
     the list of --from-tuning studies, at its end (a cell tuned later or re-run: the cells whose choice it
-    changes run at the new lr, the others are kept)."""
+    changes run at the new lr, the others are kept). `optimizers`: the grid is per optimizer (--lr-grid OPT:A,B,
+    repeatable); None: one grid for every variant (--lr-grid A,B, `study batch-control` and `study ensemble`)."""
     grows = ("lr_grid", "from_tuning")
     if {k: v for k, v in old.items() if k not in grows} != {k: v for k, v in new.items() if k not in grows}:
         return False
@@ -125,8 +126,12 @@ def same_study(old: dict, new: dict, optimizers: list[str]) -> bool:
         return False
     if tuned_after and not tuned_before:   # a grid study does not become a final one
         return False
-    before = lr_grid(old.get("lr_grid") or [], optimizers)
-    after = lr_grid(new.get("lr_grid") or [], optimizers)
+    def grid(value: Any) -> dict[str, list[float]]:
+        if optimizers is not None:
+            return lr_grid(value or [], optimizers)
+        return {"*": _parse_list(value, "lr-grid", float)} if value else {}
+
+    before, after = grid(old.get("lr_grid")), grid(new.get("lr_grid"))
     return all(set(lrs) <= set(after.get(opt, [])) for opt, lrs in before.items())
 
 
@@ -325,6 +330,12 @@ def _noise_scale(run_dir: Path) -> float | None:
     return sum(r["grad_trace"] for r in late) / g2 if g2 > 0 else None
 
 
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (0 for one seed): every study's table uses it."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+
+
 def summarise(cells: list[dict]) -> dict:
     """Mean and spread (sample std; 0 for one seed) of top-1 and final train loss per (batch, optimizer, lr);
     with an lr axis, `chosen` marks each (batch, optimizer)'s lr of the best mean top-1."""
@@ -332,12 +343,11 @@ def summarise(cells: list[dict]) -> dict:
     for c in cells:
         if c.get("top1") is not None:
             groups.setdefault((c["batch"], c["optimizer"], c.get("lr")), []).append(c)
-    table = {}
+    table: dict[str, dict[str, Any]] = {}
     for (b, o, lr), cs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0.0)):
         top1 = [c["top1"] for c in cs]
         losses = [c["train_loss"] for c in cs if c.get("train_loss") is not None]
-        mean = sum(top1) / len(top1)
-        std = math.sqrt(sum((t - mean) ** 2 for t in top1) / (len(top1) - 1)) if len(top1) > 1 else 0.0
+        mean, std = mean_std(top1)
         key = f"{o}@{b}" if lr is None else f"{o}@{b}/lr{lr:g}"
         noise = [c["noise_scale"] for c in cs if c.get("noise_scale") is not None]
         table[key] = {"batch": b, "optimizer": o, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(top1),

@@ -110,12 +110,6 @@ def chosen_lrs(kind: str, tuning_out: Path) -> dict[str, float | None]:
     return chosen
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return mean, std
-
-
 def summarise(kind: str, cells: list[dict]) -> dict:
     """Per variant, at its chosen lr (the best mean over the lrs run; the only one without a grid): top-1 (the
     ensemble's own for the ensemble variant) mean and std, how many lrs ran and diverged; and the claim's verdict."""
@@ -128,12 +122,12 @@ def summarise(kind: str, cells: list[dict]) -> dict:
             done = [c for c in mine if c.get("lr") == lr and c.get("top1") is not None]
             if not done:
                 continue
-            mean, std = _stats([c.get(key, c["top1"]) for c in done])
+            mean, std = study.mean_std([c.get(key, c["top1"]) for c in done])
             row = {"variant": name, "lr": lr, "top1_mean": mean, "top1_std": std, "seeds": len(done)}
             if kind == "ensemble" and name == "ensemble":
-                row["best_snapshot_mean"], row["best_snapshot_std"] = _stats([c["best_snapshot_top1"] for c in done])
+                row["best_snapshot_mean"], row["best_snapshot_std"] = study.mean_std([c["best_snapshot_top1"] for c in done])
                 if all("swa_top1" in c for c in done):   # with ensemble.swa: the snapshots' weight average
-                    row["swa_mean"], row["swa_std"] = _stats([c["swa_top1"] for c in done])
+                    row["swa_mean"], row["swa_std"] = study.mean_std([c["swa_top1"] for c in done])
             rows.append(row)
         if not rows:
             continue
@@ -284,9 +278,9 @@ def run(kind: str, argv: list[str]) -> int:
     try:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("dry_run", "out")}
         stored = args.out / study.SETTINGS
-        if stored.exists() and study.stored_settings(stored) != settings:
+        if stored.exists() and not study.same_study(study.stored_settings(stored), settings):
             raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "
-                            "arguments, or use another --out.")
+                            "arguments (the lr grid may grow), or use another --out.")
         order = [(name, lr, s) for s in range(args.seeds) for name in plan for lr in lrs[name]]
         cell_dirs = [args.out / "runs" / (f"{name}-s{s}" if lr is None else f"{name}-lr{lr:g}-s{s}")
                      for name, lr, s in order]
