@@ -72,6 +72,9 @@ def test_the_claims_experiment_reruns_the_committed_final_cells_exactly(tmp_path
         committed += [without_run_dir(c["command"]) for c in cells
                       if name != "final" or (c["batch"], c["optimizer"]) in pairs]
     assert len(listed) == 27 and sorted(listed) == sorted(committed)
+    rerun = [without_run_dir(c["command"]) for name in ("batch_scaling", "batch_control", "ensemble")
+             for c in json.loads((root / "results/large_batch/claims" / name / "study.json").read_text())["cells"]]
+    assert sorted(rerun) == sorted(listed)   # and the committed re-check ran exactly these
 
 
 def test_cell_overrides_and_directories():
