@@ -1,5 +1,6 @@
 """A study directory belongs to one study process (issue 30, 2), and the files a user can edit or damage are named
 in one sentence before any work (issue 30, 4): real files, real study processes, real signals."""
+import contextlib
 import json
 import os
 import pickle
@@ -82,6 +83,44 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
     assert "resumed from" in (out / "runs" / "sgd-b32-s0" / "train.log").read_text()
     (cell,) = json.loads((out / "study.json").read_text())["cells"]
     assert cell["top1"] is not None and "interrupted" not in cell
+
+
+def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_path):
+    """SIGKILL cannot be caught, so the study cannot forward it: its cell's launcher asked the kernel for SIGTERM
+    when the study dies (LARGEBATCH_STUDY_PID, PR_SET_PDEATHSIG), stops its worker with a checkpoint and exits;
+    no process of the cell outlives the study for long, and a new study resumes the cell."""
+    out = tmp_path / "study"
+    args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
+    slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}   # 1 s per step: ~80 s to go
+    first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT, env={**os.environ, **slow},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    family: list[int] = []
+    try:
+        metrics = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and first.poll() is None:
+            if metrics.exists() and '"kind": "train"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        assert first.poll() is None
+        family = _descendants(first.pid)
+        assert len(family) >= 2   # the cell's launcher and its worker
+        first.kill()
+        first.wait(timeout=30)
+        deadline = time.time() + 40   # far less than the cell's remaining training: it stopped, not finished
+        while time.time() < deadline and any(map(_alive, family)):
+            time.sleep(0.2)
+        assert not [p for p in family if _alive(p)], "the cell's launcher or worker outlived the SIGKILLed study"
+    finally:
+        for pid in [p for p in family if _alive(p)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert list((out / "runs" / "sgd-b32-s0" / "checkpoints").glob("step-*.json"))   # stopped with a checkpoint
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert "(resuming)" in again.stderr and "failed" not in again.stderr
+    (cell,) = json.loads((out / "study.json").read_text())["cells"]
+    assert cell["top1"] is not None
 
 
 def test_a_study_takes_no_directory_of_a_training_run_or_of_other_files(cli, tmp_path):

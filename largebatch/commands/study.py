@@ -59,6 +59,7 @@ from largebatch.rundir import refuse_system
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
 from largebatch.metrics import STATUSES
+from largebatch.commands.train import STUDY_PID
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
 OPTIMIZER_SETTINGS: dict[str, dict[str, object]] = {
@@ -747,7 +748,8 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
             cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
             with open(run_dir / "train.log", "a") as log:
                 # a session of its own: a signal to the study reaches the cell only through `stop` (step 5)
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+                env = {**os.environ, STUDY_PID: str(os.getpid())}   # a killed study takes its cell with it
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=stop is not None)
                 if stop is not None:
                     stop.group = proc.pid

@@ -209,7 +209,17 @@ def _check_launch(nproc_per_node: int) -> None:
                         "torchrun, or launch with largebatch train --nproc-per-node alone.")
 
 
+# A study starting a cell names itself here: the cell's launcher (or single process) then stops, with a checkpoint,
+# when the study dies, even by SIGKILL, instead of training on as an orphan (its workers watch the launcher).
+STUDY_PID = "LARGEBATCH_STUDY_PID"
+
+
 def main(argv: list[str]) -> int:
+    study = os.environ.pop(STUDY_PID, "")   # for this process only, not inherited by its workers
+    if study.isdigit():
+        from largebatch.rundir import watch_parent
+
+        watch_parent(int(study))
     args = parser().parse_args(argv)
     cfg = config_mod.load(args.recipe, args.overrides)
     allow_change = tuple(config_mod.check_allow_change(args.allow_change))
