@@ -302,9 +302,6 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     write_own(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
-STATUSES = ("finished", "diverged")   # summary.json's status; a run stopped by a signal has no summary (it resumes)
-
-
 def diverged_summary(*, recipe: str, run_dir: Path, reason: str, epochs: float, steps: int, world_size: int,
                      machine: str) -> dict:
     """summary.json of a run that diverged: no evaluation, the trainer's sentence, where it stopped."""

@@ -46,6 +46,7 @@ from largebatch.errors import UserError
 
 LOCK = ".largebatch.lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+STATUSES = ("finished", "diverged")   # summary.json's status; a run stopped by a signal has none (it resumes)
 # Step 7: everything a run creates at the top of its directory, and the sub-directories it writes into.
 OWN_FILES = (*RUN_FILES, "corrupt_images.txt", LOCK)
 OWN_DIRS = ("checkpoints", "snapshots", "plots", "tensorboard")

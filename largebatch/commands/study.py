@@ -55,10 +55,9 @@ from typing import Any, Sequence
 
 from largebatch import rundir
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
-from largebatch.rundir import refuse_system
+from largebatch.rundir import STATUSES, refuse_system
 from largebatch.config import MAX_EPOCHS
 from largebatch.errors import UserError
-from largebatch.metrics import STATUSES
 from largebatch.commands.train import STUDY_PID
 
 # Step 1: what each optimizer name means in the study (applied on top of the recipe).
