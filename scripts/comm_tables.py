@@ -76,4 +76,4 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs")
+    main(sys.argv[1] if len(sys.argv) > 1 else "results/communication")

@@ -115,7 +115,7 @@ def test_h200_mlperf_v40_single_node_within_10_percent_and_largebatch_s_own_on_t
     v4 = predict(stack="mlperf-v4.0", **run)
     assert abs(v4.time_to_train_s / 60 / 12.03 - 1) < 0.10
     assert v4.images_per_s == pytest.approx(63608, rel=0.01)
-    bench = json.loads((ROOT / "docs" / "gpu" / "bench_train.json").read_text())
+    bench = json.loads((ROOT / "results" / "gpu" / "bench_train.json").read_text())
     assert bench["machine"].startswith("NVIDIA H200") and bench["batch"] == 256 and bench["model"] == "resnet50"
     for prec, cfg in (("fp16", "fp16-cl"), ("bf16", "bf16-cl")):
         own = predict(model="resnet50", device="h200", devices=1, global_batch=256, precision=prec)
