@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from largebatch import comm
+from largebatch.dist import end_process
 from largebatch.optim import LARS, param_groups
 from largebatch.schedule import lr_at_epoch, scaled_lr
 
@@ -58,3 +59,7 @@ if rank == 0:
     print(f"world {world}, global batch {global_batch}, peak lr {peak:.4f}: "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 dist.destroy_process_group()
+# 5. Exit without interpreter finalization: once DDP has used a gloo group, gloo's threads outlive
+#    destroy_process_group, and one releasing a tensor while Python finalizes aborts the process ("terminate
+#    called without an active exception", exit -6) after a run that succeeded (docs/reliability.md, Teardown).
+end_process(0, ran_group=True)

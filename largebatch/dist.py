@@ -146,7 +146,7 @@ def note_stuck_thread(name: str) -> None:
     _stuck_threads.append(name)
 
 
-def end_process(code: int) -> None:
+def end_process(code: int, ran_group: bool = False) -> None:
     """The last step of the teardown, for a process that ran a process group or still has a thread of ours
     that could not be joined: flush what was printed and exit with `code` without interpreter finalization.
 
@@ -158,8 +158,10 @@ def end_process(code: int) -> None:
     to it from C++), and one that is slow to drop its last work under CPU load can release a Python-owned
     tensor, which takes the GIL, during finalization. Everything the run writes is closed and fsync'ed
     before this point; nothing is left for finalization to do. Returns (normal exit) otherwise.
+    `ran_group`: the caller ran a process group of its own (a training loop of yours with DDP on gloo,
+    examples/own_loop.py): the same exit, after your own files are closed (atexit handlers do not run).
     """
-    if not (_stuck_threads or _had_group):
+    if not (_stuck_threads or _had_group or ran_group):
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
