@@ -57,8 +57,3 @@ OPTIONS: dict[str, Option] = {
 def options_of(algorithm: str) -> dict[str, Any]:
     """The options `algorithm` reads, with their defaults (none for native and noop)."""
     return {name: opt.default for name, opt in OPTIONS.items() if algorithm in opt.algorithms}
-
-
-def readers(option: str) -> list[str]:
-    """The algorithms that read `option`."""
-    return list(OPTIONS[option].algorithms)

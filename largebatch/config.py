@@ -64,10 +64,9 @@ class Section:
             section, field_name = key.split(".")
             if section == name:
                 _check_sign(key, getattr(self, field_name), allow_zero=key in NON_NEGATIVE)
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # the entries of a list key (phases) check themselves
-            for i, item in enumerate(getattr(self, f.name)) if isinstance(getattr(self, f.name), list) else ():
-                if isinstance(item, Item):
-                    item.validate(f"{name}.{f.name}[{i}]")
+        for key in _item_types(type(self)):   # the entries of a list key (phases) check themselves
+            for i, item in enumerate(getattr(self, key)):
+                item.validate(f"{name}.{key}[{i}]")
 
 
 @dataclass
@@ -500,9 +499,9 @@ def _item_from_dict(where: str, cls: type, data: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     required = [name for name, f in fields.items() if f.metadata.get("required")]
     if not isinstance(data, dict):
+        optional = [name for name in fields if name not in required]
         raise UserError(f"{where} must be a mapping with {' and '.join(required)}"
-                        f"{' (and optionally ' + ', '.join(set(fields) - set(required)) + ')' if len(fields) > len(required) else ''}"
-                        f", got {data!r}.")
+                        f"{' (and optionally ' + ', '.join(optional) + ')' if optional else ''}, got {data!r}.")
     unknown = sorted(str(k) for k in data if k not in fields)
     if unknown:
         raise UserError(f"{where} has unknown keys {unknown}; valid: {', '.join(fields)}.")
@@ -881,7 +880,8 @@ def resume_changes(old: dict, new: Config) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) for every key whose value differs from `old` (the config a checkpoint was written
     with); a key that `old` lacks (written by an older version) is not compared."""
     before, after = _flat(_upgrade_saved(old) if isinstance(old, dict) else old), _flat(new.to_dict())
-    for key, cls in (("batch.phases", BatchPhase), ("data.resolution_phases", ResolutionPhase)):
+    items = {f"{name}.{key}": cls for name, section in SECTIONS.items() for key, cls in _item_types(section).items()}
+    for key, cls in items.items():
         if isinstance(before.get(key), list):   # as the typed loader reads them (a phase without lr: lr None)
             with contextlib.suppress(UserError, TypeError):
                 before[key] = [dataclasses.asdict(_item_from_dict(key, cls, v)) for v in before[key]]

@@ -34,6 +34,8 @@ studies:
     assert "sgd:schedule.milestones=[8,21.333]" in argv2 and "--claims-only" in argv2
     tunings = [v for f, v in zip(argv2, argv2[1:]) if f == "--from-tuning"]
     assert tunings == [str(tmp_path / "out" / "short"), str(tmp_path / ".." / "elsewhere")]
+    relative = experiment.plan(path, Path("runs") / "exp")[1][2]   # the default --out is relative: so is "{out}"
+    assert [v for f, v in zip(relative, relative[1:]) if f == "--from-tuning"][0] == str(Path("runs") / "exp" / "short")
 
 
 @pytest.mark.parametrize("text, words", [

@@ -39,6 +39,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _until_its_cell_trains(study_proc: subprocess.Popen, out: Path) -> None:
+    """Wait (up to 120 s) until the study's one cell has logged a training step, or the study has ended."""
+    metrics = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and study_proc.poll() is None:
+        if metrics.exists() and '"kind": "train"' in metrics.read_text():
+            return
+        time.sleep(0.2)
+
+
 def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli, tmp_path):
     """A second study on the --out of a running one is refused naming its pid, touching nothing; SIGTERM to the
     study stops its cell's launcher and worker (no orphans), records the cell as interrupted, exits 143; run again,
@@ -49,12 +59,7 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
     first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT, env={**os.environ, **slow},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        metrics = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and first.poll() is None:
-            if metrics.exists() and '"kind": "train"' in metrics.read_text():
-                break
-            time.sleep(0.2)
+        _until_its_cell_trains(first, out)
         assert first.poll() is None, first.communicate()
         settings = (out / "study_settings.json").read_bytes()
         second = cli(*args)
@@ -96,12 +101,7 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     family: list[int] = []
     try:
-        metrics = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and first.poll() is None:
-            if metrics.exists() and '"kind": "train"' in metrics.read_text():
-                break
-            time.sleep(0.2)
+        _until_its_cell_trains(first, out)
         assert first.poll() is None
         family = _descendants(first.pid)
         assert len(family) >= 2   # the cell's launcher and its worker

@@ -22,7 +22,8 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
 2. Budget-independent units: a value "A/B run" is that fraction of the study's `epochs`, rounded to 3 decimals
    (warm-up 5/90 run is 1.333 epochs of a 24-epoch study and 0.444 of an 8-epoch tuning), so one protocol
    states its schedule once for every budget; learning rates are per `optim.reference_batch` (256) images.
-3. Paths: a relative path in the file is relative to the file's directory; "{out}" is OUT.
+3. Paths: a relative path in the file is relative to the file's directory; "{out}/NAME" is inside OUT, as --out
+   gives it.
 4. Run each study (`largebatch study KIND ... --out OUT/NAME`) in order; --dry-run lists every cell's command
    and trains nothing. The first study that fails stops the experiment with its exit code.
 """
@@ -121,8 +122,8 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
     if kind not in KINDS:
         raise UserError(f"{where}.study is {kind!r}; give one of {', '.join(KINDS)}.")
     _, p = _study_main(kind)
-    long = {a: next((o for o in a.option_strings if o.startswith("--")), None) for a in p._actions}
-    flags = {flag[2:].replace("-", "_"): a for a, flag in long.items() if flag}   # --opt-set: opt_set
+    long = [(a, next((o for o in a.option_strings if o.startswith("--")), None)) for a in p._actions]
+    flags = {flag[2:].replace("-", "_"): (a, flag) for a, flag in long if flag}   # --opt-set: opt_set
     epochs = entry.get("epochs")
     argv: list[str] = []
     for key, value in entry.items():
@@ -132,9 +133,7 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
         if key in ("out", "dry_run", "help") or key not in flags:
             valid = sorted(k for k in flags if k not in ("out", "dry_run", "help"))
             raise UserError(f"{here}: study {kind} has no setting {key!r}; valid: {', '.join(valid)}.")
-        action = flags[key]
-        flag = long[action]
-        assert flag is not None
+        action, flag = flags[key]
         if key == "set":
             if not isinstance(value, dict):
                 raise UserError(f"{here} must be a mapping of section.key to value, got {value!r}.")
@@ -168,7 +167,10 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
 
 
 def _path(text: str, out: Path, base: Path) -> str:
-    text = text.replace("{out}", str(out))
+    """A path of the file: "{out}/..." inside OUT (as given, relative to the current directory like --out),
+    anything else relative to the file's directory `base`."""
+    if text.startswith("{out}"):
+        return str(out / text[len("{out}"):].lstrip("/"))
     path = Path(text)
     return str(path if path.is_absolute() else base / path)
 

@@ -736,7 +736,8 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
             *[x for kv in sets for x in ("--set", kv)]]
     command = " ".join(shlex.quote(c) for c in ["largebatch", *argv])
     interrupted = False
-    if not summary_path.exists() and not diverged_path.exists():
+    summ = read_summary(summary_path) if summary_path.exists() else None
+    if summ is None and not diverged_path.exists():
         resume = rundir.holds_run(run_dir)   # a cell interrupted at any point continues where it was
         console.print(f"[bold]study[/] cell {position}: {label}{' (resuming)' if resume else ''}")
         if args.dry_run:   # the exact command, so that one cell can be run by hand
@@ -758,7 +759,8 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 finally:
                     if stop is not None:
                         stop.group = None
-            status = read_summary(summary_path)["status"] if summary_path.exists() else None
+            summ = read_summary(summary_path) if summary_path.exists() else None
+            status = summ["status"] if summ is not None else None
             if stop is not None and stop.signum is not None and status is None:
                 interrupted = True
                 console.print(f"study: cell {label} stopped by signal {stop.signum} with a checkpoint; it resumes "
@@ -769,7 +771,6 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
             else:
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s")
-    summ = read_summary(summary_path) if summary_path.exists() else None
     status = summ["status"] if summ is not None else "diverged" if diverged_path.exists() else None
     cell: dict[str, Any] = {"run_dir": str(run_dir), "top1": None, "diverged": status == "diverged",
                             "command": command}
