@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
-# The timing figures of the README's results table, in one go, on an otherwise idle machine.
-#   scripts/quiet_bench.sh [OUTDIR]     (default bench-out/<date>; JSON, logs and timings land there)
-# Runs: `make train` on a fresh clone (set-up included), the speed-run recipe, `bench train`,
-# `bench scaling`, `bench data` (loader throughput only), and scripts/bench_comm.sh.
+# The timing figures of docs/benchmarks.md and the README's CPU rows, in one go, on an otherwise idle machine.
+#   scripts/quiet_bench.sh [OUTDIR]     (default results/bench: the evidence the docs link to)
+# Runs: `make train` on a fresh clone (set-up included), the speed-run recipe on 3 seeds, `bench train`,
+# `bench scaling` and `bench data`, each with --json. OUTDIR keeps every command's output (NAME.log), its
+# JSON, and of each training run its config.yaml, summary.json and metrics.jsonl.gz; timings.log has each
+# command's exit code, time and load average. About 25 minutes on 2 cores. The communication figures have
+# their own script (scripts/bench_comm.sh, results/communication).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT=${1:-bench-out/$(date +%Y%m%d-%H%M)}
+OUT=${1:-results/bench}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 LB="$ROOT/.venv/bin/largebatch"
-log() { echo "### $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg): $*" | tee -a "$OUT/timings.log"; }
+log() { echo "### $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): $*" | tee -a "$OUT/timings.log"; }
 timed() { local name=$1; shift; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
           log "$name: rc=$rc in $((SECONDS - t0)) s"; }
+keep_run() {   # keep_run RUN_DIR NAME: the run's evidence, not its weights or plots
+  mkdir -p "$OUT/$2"
+  cp "$1/config.yaml" "$1/summary.json" "$OUT/$2/" 2>/dev/null
+  gzip -c "$1/metrics.jsonl" > "$OUT/$2/metrics.jsonl.gz" 2>/dev/null
+}
 
-log "machine: $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+: > "$OUT/timings.log"
+log "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|fma|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')$(free -g | awk '/Mem:/ {print $2}') GiB; torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'); commit $(git rev-parse --short HEAD)"
 # 1. make train on a fresh clone: venv, torch from the local wheel, the package, then 2 workers.
-rm -rf /tmp/largebatch-fresh && git clone -q "$ROOT" /tmp/largebatch-fresh
-timed make_train_fresh make -C /tmp/largebatch-fresh train
-cp /tmp/largebatch-fresh/runs/*/summary.json "$OUT/make_train_summary.json" 2>/dev/null
+git clone -q "$ROOT" "$WORK/fresh"
+timed make_train_fresh make -C "$WORK/fresh" train
+keep_run "$(ls -d "$WORK"/fresh/runs/*/ | head -1)" make_train
 # 2. The speed-run recipe, 2 workers x 1 thread, seeds 0-2.
 for S in 0 1 2; do
-  timed speedrun_s$S "$LB" train fashion_mnist_speedrun --nproc-per-node 2 --set train.seed=$S --run-dir "$OUT/speedrun_s$S"
+  timed speedrun_s$S "$LB" train fashion_mnist_speedrun --nproc-per-node 2 --set train.seed=$S --run-dir "$WORK/speedrun_s$S"
+  keep_run "$WORK/speedrun_s$S" speedrun_s$S
 done
 # 3. Training throughput: ResNet-50 at 128 px, plain loop vs largebatch, 1 and 2 threads.
-timed bench_train_1t "$LB" bench train --batch 8 --steps 2 --rounds 3 --threads 1 --configs fp32,fp32-cl --json "$OUT/bench_train_1t.json"
+timed bench_train_1t "$LB" bench train --batch 8 --steps 2 --rounds 3 --threads 1 --configs fp32,fp32-cl,bf16-cl --json "$OUT/bench_train_1t.json"
 timed bench_train_2t "$LB" bench train --batch 8 --steps 2 --rounds 3 --configs fp32,fp32-cl,bf16-cl --json "$OUT/bench_train_2t.json"
 # 4. Weak scaling 1 -> 2 workers per algorithm (noop = no communication, the ceiling).
 timed bench_scaling "$LB" bench scaling --algorithms native,ring,halving_doubling,noop --repeats 2 --json "$OUT/bench_scaling.json"
 # 5. Data pipeline, both pipelines in the same run.
-timed bench_data_w0 "$LB" bench data --images 512 --workers 0 --passes 3 --dir "$OUT/jpeg500" --json "$OUT/bench_data_w0.json"
-timed bench_data_w2 "$LB" bench data --images 512 --workers 2 --passes 3 --dir "$OUT/jpeg500" --json "$OUT/bench_data_w2.json" --no-memory
-rm -rf "$OUT/jpeg500"
-# 6. Communication (1 host x 4, 2 namespaced hosts x 2 at 1 Gbit/s, training overhead).
-timed bench_comm scripts/bench_comm.sh "$OUT/comm"
+timed bench_data_w0 "$LB" bench data --images 512 --workers 0 --passes 3 --dir "$WORK/jpeg500" --json "$OUT/bench_data_w0.json"
+timed bench_data_w2 "$LB" bench data --images 512 --workers 2 --passes 3 --dir "$WORK/jpeg500" --json "$OUT/bench_data_w2.json" --no-memory
 log "done"
