@@ -107,6 +107,7 @@ CHECK = textwrap.dedent("""
     print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)   # as largebatch.dist.end_process: no interpreter finalization while gloo threads live
 """)
 
 

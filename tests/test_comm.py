@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from largebatch import comm
 from largebatch.algorithms import DEFAULT_IMPL, TWO_LEVEL
+from largebatch.dist import end_process
 from largebatch.errors import UserError
 
 COMPRESSIONS = ("none", "fp16", "bf16")
@@ -273,6 +274,7 @@ def _worker(rank: int, p: int, port: int, local_world: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_process(0, ran_group=True)   # exit without interpreter finalization while gloo threads live (largebatch.dist)
 
 
 @pytest.mark.timeout(300)

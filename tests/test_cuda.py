@@ -17,6 +17,7 @@ from PIL import Image
 
 from largebatch import checkpoint, comm
 from largebatch.config import OptimConfig, from_dict
+from largebatch.dist import end_process
 from largebatch.models import build_model
 from largebatch.optim import build_optimizer
 
@@ -180,6 +181,7 @@ def _two_ranks_on_one_gpu(rank: int, port: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_process(0, ran_group=True)   # exit without interpreter finalization while gloo threads live (largebatch.dist)
 
 
 def test_comm_algorithms_and_ddp_hook_on_cuda_tensors():

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from largebatch.dist import end_process
 from largebatch.noise_scale import NoiseScale, allreduce_with_norms, estimates
 
 # Per-example gradient G + z, z ~ N(0, sigma^2 I_d): tr(Sigma) = d sigma^2, so B_simple = d sigma^2 / |G|^2.
@@ -73,6 +74,7 @@ def _two_ranks(rank: int, port: int, out) -> None:
         out[rank] = sum(traces) / sum(g2s)
     finally:
         dist.destroy_process_group()
+    end_process(0, ran_group=True)   # exit without interpreter finalization while gloo threads live (largebatch.dist)
 
 
 @pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from largebatch import ensemble, scoring
-from largebatch.dist import DistInfo
+from largebatch.dist import DistInfo, end_process
 from largebatch.launch import free_port
 
 
@@ -78,8 +78,11 @@ def _two_ranks(rank: int, port: int, out) -> None:
         buf = torch.full((3,), float(rank + 1))
         scoring.average_buffers([buf], 2)
         out.put((rank, res, buf.tolist()))
+        out.close()
+        out.join_thread()   # the result is in the pipe before the exit below
     finally:
         dist.destroy_process_group()
+    end_process(0, ran_group=True)   # exit without interpreter finalization while gloo threads live (largebatch.dist)
 
 
 @pytest.mark.slow   # a subprocess or a process group: make test, not make test-fast

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from largebatch.checkpoint import atomic_write
+from largebatch.dist import end_process
 from largebatch.errors import UserError
 from largebatch.launch import free_port
 from largebatch.perf.catalog import clear_cache, read_user_catalog, user_catalog_path
@@ -127,6 +128,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: str
             pickle.dump(out, f)
     finally:
         dist.destroy_process_group()
+    end_process(0, ran_group=True)   # the gloo worker's exit without interpreter finalization (dist.end_process)
 
 
 # per device kind: (b1, b2, matmul n, copy bytes, all-reduce sizes, processes)
