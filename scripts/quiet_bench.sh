@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The timing figures of docs/benchmarks.md and the README's CPU rows, in one go, on an otherwise idle machine.
+# The CPU timing figures of docs/benchmarks.md, the README's CPU rows, docs/models_optim.md's optimizer costs and
+# docs/performance_model.md's check against a real run, in one go, on an otherwise idle machine.
 #   scripts/quiet_bench.sh [OUTDIR]     (default results/bench: the evidence the docs link to)
 # Runs: `make train` on a fresh clone (set-up included), the speed-run recipe on 3 seeds, `bench train`,
-# `bench scaling` and `bench data`, each with --json. OUTDIR keeps every command's output (NAME.log), its
-# JSON, and of each training run its config.yaml, summary.json and metrics.jsonl.gz; timings.log has each
-# command's exit code, time and load average. About 25 minutes on 2 cores. The communication figures have
+# `bench scaling`, `bench data`, `bench optim`, and `plan --calibrate` against a 2-process run. OUTDIR keeps
+# every command's output (NAME.log), its JSON, and of each training run its config.yaml, summary.json and
+# metrics.jsonl.gz; timings.log has each command's exit code, time and load average. About 15-30 minutes on 2 cores. The communication figures have
 # their own script (scripts/bench_comm.sh, results/communication).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,4 +42,19 @@ timed bench_scaling "$LB" bench scaling --algorithms native,ring,halving_doublin
 # 5. Data pipeline, both pipelines in the same run.
 timed bench_data_w0 "$LB" bench data --images 512 --workers 0 --passes 3 --dir "$WORK/jpeg500" --json "$OUT/bench_data_w0.json"
 timed bench_data_w2 "$LB" bench data --images 512 --workers 2 --passes 3 --dir "$WORK/jpeg500" --json "$OUT/bench_data_w2.json" --no-memory
+# 6. Optimizer step cost (docs/models_optim.md): ResNet-50's 161 tensors, three runs.
+for R in 1 2 3; do
+  timed bench_optim_r$R "$LB" bench optim --model resnet50 --steps 30 --threads 1
+done
+# 7. The performance model against a real 2-process run (docs/performance_model.md, "Check against a real run").
+M="--model resnet18 --stem small --width 16 --in-channels 1 --image-size 28 --num-classes 10 --precision fp32"
+export LARGEBATCH_CATALOG="$WORK/catalog.yaml"
+timed plan_calibrate "$LB" plan --calibrate --nproc 2 $M
+timed plan_check_train "$LB" train fashion_mnist --nproc-per-node 2 --set train.precision=fp32 --set train.max_steps=40 \
+  --set batch.global_batch=256 --set train.log_every=10 --run-dir "$WORK/plan_check" --quiet
+keep_run "$WORK/plan_check" plan_check_train
+cp "$LARGEBATCH_CATALOG" "$OUT/plan_catalog.yaml" 2>/dev/null
+"$LB" plan $M --device this-machine --devices 2 --devices-per-node 2 --global-batch 256 --dataset-size 60000 \
+  --epochs 1 --json > "$OUT/plan_check_prediction.json" 2> "$OUT/plan_check_prediction.log"
+log "plan_check_prediction: rc=$?"
 log "done"
