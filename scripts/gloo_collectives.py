@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from largebatch.dist import end_process
+
 
 def main() -> None:
     dist.init_process_group("gloo")
@@ -51,3 +53,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0, ran_group=True)   # no interpreter finalization while gloo threads live (docs/reliability.md)
