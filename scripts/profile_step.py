@@ -1,4 +1,4 @@
-"""Where one training step of the default recipe's model spends its time (docs/benchmarks.md).
+"""Where one training step of the default recipe's model spends its time (docs/benchmarks.md at f9c730e).
 
     .venv/bin/python scripts/profile_step.py [--width 12] [--batch 256] [--no-profile]
         [--variants cl,nchw,relu,compile] [--rounds 3]

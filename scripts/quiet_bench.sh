@@ -10,25 +10,31 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT=${1:-results/bench}
-mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+FINAL=$(realpath -m "${1:-results/bench}")
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
+OUT="$WORK/out"   # filled here, and put in FINAL's place only when every step has run: never old and new mixed
+mkdir -p "$OUT"
 LB="$ROOT/.venv/bin/largebatch"
 log() { echo "### $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): $*" | tee -a "$OUT/timings.log"; }
 timed() { local name=$1; shift; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
           log "$name: rc=$rc in $((SECONDS - t0)) s"; }
 keep_run() {   # keep_run RUN_DIR NAME: the run's evidence, not its weights or plots
+  [ -f "$1/summary.json" ] || { log "$2: no finished run in '$1'"; return; }
   mkdir -p "$OUT/$2"
-  cp "$1/config.yaml" "$1/summary.json" "$OUT/$2/" 2>/dev/null
-  gzip -c "$1/metrics.jsonl" > "$OUT/$2/metrics.jsonl.gz" 2>/dev/null
+  cp "$1/config.yaml" "$1/summary.json" "$OUT/$2/"
+  gzip -c "$1/metrics.jsonl" > "$OUT/$2/metrics.jsonl.gz"
 }
 
 : > "$OUT/timings.log"
+for _ in $(seq 60); do   # an idle machine: wait (up to 5 min) for the 1-minute load to fall below 1
+  awk '{exit !($1 < 1.0)}' /proc/loadavg && break; sleep 5
+done
 log "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|fma|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')$(free -g | awk '/Mem:/ {print $2}') GiB; torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'); commit $(git rev-parse --short HEAD)"
 # 1. make train on a fresh clone: venv, torch from the local wheel, the package, then 2 workers.
 git clone -q "$ROOT" "$WORK/fresh"
 timed make_train_fresh make -C "$WORK/fresh" train
-keep_run "$(ls -d "$WORK"/fresh/runs/*/ | head -1)" make_train
+RUNS=("$WORK"/fresh/runs/*/)
+keep_run "${RUNS[0]%/}" make_train
 # 2. The speed-run recipe, 2 workers x 1 thread, seeds 0-2.
 for S in 0 1 2; do
   timed speedrun_s$S "$LB" train fashion_mnist_speedrun --nproc-per-node 2 --set train.seed=$S --run-dir "$WORK/speedrun_s$S"
@@ -51,6 +57,7 @@ M="--model resnet18 --stem small --width 16 --in-channels 1 --image-size 28 --nu
 export LARGEBATCH_CATALOG="$WORK/catalog.yaml"
 timed plan_calibrate "$LB" plan --calibrate --nproc 2 $M
 timed plan_check_train "$LB" train fashion_mnist --nproc-per-node 2 --set train.precision=fp32 --set train.max_steps=40 \
+  --set model.name=resnet18 --set model.stem=small --set model.width=16 --set train.channels_last=off \
   --set batch.global_batch=256 --set train.log_every=10 --run-dir "$WORK/plan_check" --quiet
 keep_run "$WORK/plan_check" plan_check_train
 cp "$LARGEBATCH_CATALOG" "$OUT/plan_catalog.yaml" 2>/dev/null
@@ -58,3 +65,7 @@ cp "$LARGEBATCH_CATALOG" "$OUT/plan_catalog.yaml" 2>/dev/null
   --epochs 1 --json > "$OUT/plan_check_prediction.json" 2> "$OUT/plan_check_prediction.log"
 log "plan_check_prediction: rc=$?"
 log "done"
+if [ -e "$FINAL" ] && [ ! -f "$FINAL/timings.log" ]; then   # replace only an earlier output of this script
+  echo "$FINAL holds something else; the results go beside it"; FINAL="$FINAL.$(date +%Y%m%d-%H%M)"
+fi
+rm -rf "$FINAL" && mkdir -p "$(dirname "$FINAL")" && cp -r "$OUT" "$FINAL" && echo "results in $FINAL"

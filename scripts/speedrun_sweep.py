@@ -1,5 +1,5 @@
 """Speed-run sweeps outside the trainer: one process, the whole loop in ~100 lines, so that a model or
-hyperparameter change can be judged in one 2-4 minute run (docs/benchmarks.md, "Speed run").
+hyperparameter change can be judged in one 2-4 minute run (its sweep: docs/benchmarks.md at f9c730e, "Speed run").
 
 The loop is the speed-run recipe's: Fashion-MNIST resident as uint8, a random flip per image (and with
 --crop P a random +-P px translation; both `largebatch.data.memory.MemorySource.crop_flip`, the

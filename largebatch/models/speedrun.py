@@ -21,7 +21,7 @@ mathematically equal runs (DDP on 2 workers vs 2 accumulated micro-batches) drif
 tests of the trainer must use a model without max-pools (e.g. resnet18).
 
 `act` picks the activation: GELU (airbench's, the default) or ReLU (about 5% faster per step on this
-CPU, `scripts/profile_step.py --variants cl,relu`; at 5 epochs it trained no better, docs/benchmarks.md).
+CPU, `scripts/profile_step.py --variants cl,relu`; at 5 epochs it trained no better, docs/benchmarks.md at f9c730e).
 
 Initialisation: convs and the linear layer use torch's default (Kaiming uniform, a = sqrt(5)); BN gamma 1,
 beta 0. With `zero_init_residual` the last BN gamma of each stage starts at 0, so each stage starts as
