@@ -394,7 +394,7 @@ def stop_threads(watchdog: Watchdog | None, comm_state, timeout_s: float = 30.0)
 
 # ---------------------------------------------------------------------------------- overhead measurement
 def measure_overhead(steps: int = 2000) -> dict:
-    """Per-step cost of the watchdog check-in (local), of one publish (a store round trip, sent at most
+    """Per-step cost of the watchdog check-in (local), of one publish (a store `set`, sent at most
     once per publish interval by the thread) and of the stop-flag all-reduce,
     in microseconds; run under torchrun: `torchrun --nproc-per-node 2 -m largebatch.reliability`."""
     from largebatch import dist as dist_mod
@@ -410,7 +410,7 @@ def measure_overhead(steps: int = 2000) -> dict:
         dog.check_in(step, "training step")
     check_in_us = (time.perf_counter() - t) / steps * 1e6
     t = time.perf_counter()
-    for step in range(steps):     # what the publisher thread pays per send: one store round trip
+    for step in range(steps):     # what the publisher thread pays per send: one store set
         dog.check_in(step, "training step")
         dog.flush()
     publish_us = (time.perf_counter() - t) / steps * 1e6
