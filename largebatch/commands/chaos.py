@@ -9,11 +9,12 @@ an uninterrupted run with the same seed.
 3. Kills: N times, wait until the (restarted) group is training again and has completed one new
    checkpoint (so that the run progresses however fast the kills come), then SIGKILL one worker:
    odd-numbered kills pick a random worker after a random delay; even-numbered kills wait for a
-   checkpoint write to begin (a `.tmp-*` file in checkpoints/) and kill rank 0, the writer, then;
-   a kill that leaves the temporary file behind landed inside the write.
-4. Checks: exit code 0; every checkpoint with metadata verifies and loads (weights_only);
-   steps lost per kill from metrics.jsonl (the last step logged before the kill minus the step
-   resumed from); |top-1(chaos) - top-1(baseline)| <= --tolerance points.
+   checkpoint write to begin (a new `.tmp-*` file in checkpoints/) and kill rank 0, the writer, then;
+   a kill that leaves the temporary file behind once the writer is gone landed inside the write.
+4. Checks: exit code 0; every kill ended in a resume from a checkpoint (the run's log); every checkpoint with
+   metadata verifies and loads (weights_only); steps lost per resume from metrics.jsonl (the last step logged
+   before it minus the step resumed from, 0 included); |top-1(chaos) - top-1(baseline)| <= --tolerance points,
+   and whether the final test losses are bitwise equal.
 5. Report: a table, and chaos_report.json in the output directory. Exit 1 when a check fails.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -118,32 +120,64 @@ def _wait_new_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float 
     return False
 
 
+def _tmp_files(ckpt_dir: Path) -> set[str]:
+    try:
+        return {e.name for e in os.scandir(ckpt_dir) if e.name.startswith(".tmp-")}
+    except OSError:
+        return set()
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    """Until `pid` has exited (gone, or a zombie its parent has not reaped yet): SIGKILL is delivered after
+    os.kill returns, and a writer that still runs may finish the write it was killed in."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.001)
+
+
 def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: int, timeout: float) -> bool:
-    """Step 3 (even kills): SIGKILL the writer as soon as a checkpoint's temporary file appears."""
+    """Step 3 (even kills): SIGKILL the writer as soon as a new temporary file appears in checkpoints/; True when
+    the kill cut the write (that file is still there once the writer is gone). Temporary files there before the
+    wait are not a write: an earlier kill left them, and the writer removes them only after a minute."""
+    stale = _tmp_files(ckpt_dir)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        try:
-            tmp = [e.name for e in os.scandir(ckpt_dir) if e.name.startswith(".tmp-")]
-        except OSError:
-            tmp = []
-        if tmp:
+        new = _tmp_files(ckpt_dir) - stale
+        if new:
             os.kill(writer, signal.SIGKILL)
-            return any((ckpt_dir / n).exists() for n in tmp)
+            _wait_gone(writer)
+            return any((ckpt_dir / n).exists() for n in new)
         time.sleep(0.0005)
     os.kill(writer, signal.SIGKILL)   # no write seen in time: kill anyway
     return False
 
 
-def steps_lost(metrics: Path) -> list[int]:
-    """Step 4: for every restart, the last step logged before it minus the step resumed from."""
+RESUMED = re.compile(r"largebatch: resumed from .* at step (\d+)\.")
+
+
+def steps_lost(metrics: Path, resumed: list[int]) -> list[int]:
+    """Step 4: for every resume (`resumed`: the steps resumed from, in order, from the run's log), the last step
+    logged before it minus the step resumed from. A resume from the step logged last lost none; nothing in
+    metrics.jsonl marks it, so it is a 0 here, not a gap. A step counter that went back without a resume in the
+    log (a restart from scratch) is listed after them."""
     from largebatch.metrics import read
 
     steps = [r["step"] for r in read(metrics) if r.get("kind") == "train"]   # a torn last line skipped
-    lost = []
-    for prev, cur in zip(steps, steps[1:]):
-        if cur <= prev:
-            lost.append(prev - (cur - 1))
-    return lost
+    back = [(cur - 1, prev - (cur - 1)) for prev, cur in zip(steps, steps[1:]) if cur <= prev]
+    lost, j = [], 0
+    for start in resumed:
+        if j < len(back) and back[j][0] == start:
+            lost.append(back[j][1])
+            j += 1
+        else:
+            lost.append(0)
+    return lost + [n for _, n in back[j:]]
 
 
 def check_checkpoints(ckpt_dir: Path) -> tuple[int, list[str]]:
@@ -299,21 +333,25 @@ def main(argv: list[str]) -> int:
     checked, bad = check_checkpoints(ckpt_dir)
     summary_path = run_dir / "summary.json"
     chaos = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    lost = steps_lost(metrics) if metrics.exists() else []
+    run_log = (args.out / "chaos.log").read_text(errors="replace")
+    resumed = [int(m) for m in RESUMED.findall(run_log)]
+    lost = steps_lost(metrics, resumed) if metrics.exists() else []
     diff = 100 * (chaos.get("final_top1", float("nan")) - base["final_top1"])
     report = {
         "kills": len(kills), "kills_in_checkpoint_write": sum(k["in_write"] for k in kills),
-        "restarts_seen": len(lost), "steps_lost_per_kill": lost,
+        "resumes_from_checkpoint": len(resumed), "steps_lost_per_kill": lost,
         "steps_lost_mean": sum(lost) / max(len(lost), 1), "steps_lost_max": max(lost, default=0),
         "exit_code": rc, "checkpoints_checked": checked, "checkpoints_bad": bad,
-        "corrupt_checkpoint_reports": (args.out / "chaos.log").read_text().count("is corrupt or truncated"),
-        "resumes_from_checkpoint": (args.out / "chaos.log").read_text().count("largebatch: resumed from"),
+        "corrupt_checkpoint_reports": run_log.count("is corrupt or truncated"),
         "final_top1": chaos.get("final_top1"), "baseline_top1": base["final_top1"], "top1_diff_points": diff,
+        "final_loss_bitwise_equal": chaos.get("final_loss") is not None and chaos.get("final_loss") == base.get(
+            "final_loss"),
         "steps": chaos.get("steps"), "baseline_steps": base.get("steps"), "wall_s": round(wall, 1),
         "baseline_wall_s": base.get("wall_s"), "kill_log": kills,
         "command": "largebatch chaos " + " ".join(argv),
     }
-    ok = rc == 0 and not bad and abs(diff) <= args.tolerance and len(kills) == args.kills
+    ok = (rc == 0 and not bad and abs(diff) <= args.tolerance and len(kills) == args.kills
+          and len(resumed) == len(kills))   # every kill ended in a resume from a checkpoint, none from scratch
     report["passed"] = ok
     from largebatch.checkpoint import atomic_write
 
