@@ -9,12 +9,13 @@ an uninterrupted run with the same seed.
 3. Kills: N times, wait until the (restarted) group is training again and has completed one new
    checkpoint (so that the run progresses however fast the kills come), then SIGKILL one worker:
    odd-numbered kills pick a random worker after a random delay; even-numbered kills wait for a
-   checkpoint write to begin (a new `.tmp-*` file in checkpoints/) and kill rank 0, the writer, then;
-   a kill that leaves the temporary file behind once the writer is gone landed inside the write.
-4. Checks: exit code 0; every kill ended in a resume from a checkpoint (the run's log); every checkpoint with
-   metadata verifies and loads (weights_only); steps lost per resume from metrics.jsonl (the last step logged
-   before it minus the step resumed from, 0 included); |top-1(chaos) - top-1(baseline)| <= --tolerance points,
-   and whether the final test losses are bitwise equal.
+   checkpoint write to begin (a new temporary file of a step's data or metadata, with the writer's pid, in
+   checkpoints/) and kill rank 0, the writer, then; the kill cut the write when that step has no metadata once
+   the writer is gone.
+4. Checks: exit code 0; all N kills delivered, and each ended in a resume from a checkpoint (the run's log; no
+   step counter went back without one); every checkpoint with metadata verifies and loads (weights_only); steps
+   lost per resume from metrics.jsonl (the last step logged before it minus the step resumed from, 0 included);
+   |top-1(chaos) - top-1(baseline)| <= --tolerance points, and whether the final test losses are bitwise equal.
 5. Report: a table, and chaos_report.json in the output directory. Exit 1 when a check fails.
 """
 from __future__ import annotations
@@ -120,11 +121,18 @@ def _wait_new_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float 
     return False
 
 
-def _tmp_files(ckpt_dir: Path) -> set[str]:
+# The temporary file of a checkpoint being written: `checkpoint.atomic_write`'s ".tmp-NAME-PID" of a step's
+# data or metadata (its manifest's temporary file is no checkpoint write: it is rewritten after one completes).
+WRITE_TMP = re.compile(r"\.tmp-step-(\d+)\.(?:pt|json)-(\d+)")
+
+
+def _writes(ckpt_dir: Path, writer: int) -> dict[str, int]:
+    """The temporary files of checkpoint writes by `writer` in `ckpt_dir`: name -> step."""
     try:
-        return {e.name for e in os.scandir(ckpt_dir) if e.name.startswith(".tmp-")}
+        names = [e.name for e in os.scandir(ckpt_dir)]
     except OSError:
-        return set()
+        return {}
+    return {n: int(m[1]) for n in names if (m := WRITE_TMP.fullmatch(n)) and int(m[2]) == writer}
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
@@ -141,43 +149,54 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: int, timeout: float) -> bool:
-    """Step 3 (even kills): SIGKILL the writer as soon as a new temporary file appears in checkpoints/; True when
-    the kill cut the write (that file is still there once the writer is gone). Temporary files there before the
-    wait are not a write: an earlier kill left them, and the writer removes them only after a minute."""
-    stale = _tmp_files(ckpt_dir)
+def _kill_in_checkpoint_write(proc: subprocess.Popen, ckpt_dir: Path, writer: int,
+                              timeout: float) -> tuple[bool, bool]:
+    """Step 3 (even kills): SIGKILL the writer as soon as it begins writing a checkpoint (a new temporary file of
+    a step's data or metadata with its pid); (a write was seen, the kill cut it: that step has no metadata once the
+    writer is gone, so a resume cannot take it). Temporary files there before the wait are not a write: an
+    earlier kill left them, and the writer removes them only after a minute. No write within `timeout`: the
+    writer is killed then, (False, False)."""
+    stale = set(_writes(ckpt_dir, writer))
     deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        new = _tmp_files(ckpt_dir) - stale
-        if new:
-            os.kill(writer, signal.SIGKILL)
-            _wait_gone(writer)
-            return any((ckpt_dir / n).exists() for n in new)
-        time.sleep(0.0005)
-    os.kill(writer, signal.SIGKILL)   # no write seen in time: kill anyway
-    return False
+    step = None
+    while step is None and time.time() < deadline and proc.poll() is None:
+        step = next((s for n, s in _writes(ckpt_dir, writer).items() if n not in stale), None)
+        if step is None:
+            time.sleep(0.0005)
+    try:
+        os.kill(writer, signal.SIGKILL)
+    except ProcessLookupError:   # the run ended first
+        return False, False
+    if step is None:
+        return False, False
+    _wait_gone(writer)
+    from largebatch.checkpoint import PREFIX
+
+    return True, not (ckpt_dir / f"{PREFIX}{step:08d}.json").exists()
 
 
 RESUMED = re.compile(r"largebatch: resumed from .* at step (\d+)\.")
 
 
-def steps_lost(metrics: Path, resumed: list[int]) -> list[int]:
-    """Step 4: for every resume (`resumed`: the steps resumed from, in order, from the run's log), the last step
-    logged before it minus the step resumed from. A resume from the step logged last lost none; nothing in
-    metrics.jsonl marks it, so it is a 0 here, not a gap. A step counter that went back without a resume in the
-    log (a restart from scratch) is listed after them."""
+def steps_lost(metrics: Path, resumed: list[int]) -> tuple[list[int], list[int]]:
+    """Step 4: (for every resume, the last step logged before it minus the step resumed from; the steps lost by
+    restarts with no resume in the log). `resumed`: the steps resumed from, in order, from the run's log. A resume
+    from the step logged last lost none; nothing in metrics.jsonl marks it, so it is a 0 here, not a gap. A step
+    counter that went back to a step no resume names is a restart from scratch (or from a checkpoint not said)."""
     from largebatch.metrics import read
 
     steps = [r["step"] for r in read(metrics) if r.get("kind") == "train"]   # a torn last line skipped
     back = [(cur - 1, prev - (cur - 1)) for prev, cur in zip(steps, steps[1:]) if cur <= prev]
-    lost, j = [], 0
+    lost, unexplained, j = [], [], 0
     for start in resumed:
-        if j < len(back) and back[j][0] == start:
-            lost.append(back[j][1])
-            j += 1
-        else:
+        k = next((k for k in range(j, len(back)) if back[k][0] == start), None)
+        if k is None:
             lost.append(0)
-    return lost + [n for _, n in back[j:]]
+            continue
+        unexplained += [n for _, n in back[j:k]]
+        lost.append(back[k][1])
+        j = k + 1
+    return lost, unexplained + [n for _, n in back[j:]]
 
 
 def check_checkpoints(ckpt_dir: Path) -> tuple[int, list[str]]:
@@ -304,9 +323,9 @@ def main(argv: list[str]) -> int:
                 break
             if k % 2 == 1:
                 writer = next(pid for pid, r in workers.items() if r == 0)
-                in_write = _kill_in_checkpoint_write(proc, ckpt_dir, writer, timeout=120)
-                kills.append({"kill": k + 1, "rank": 0, "kind": "checkpoint write", "in_write": in_write,
-                              "time_s": round(time.time() - t0, 1)})
+                seen, in_write = _kill_in_checkpoint_write(proc, ckpt_dir, writer, timeout=120)
+                kills.append({"kill": k + 1, "rank": 0, "kind": "checkpoint write" if seen else "no write in 120 s",
+                              "in_write": in_write, "time_s": round(time.time() - t0, 1)})
             else:
                 time.sleep(rng.uniform(0, args.max_delay))
                 pid, rank = rng.choice(sorted(workers.items()))
@@ -335,11 +354,12 @@ def main(argv: list[str]) -> int:
     chaos = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     run_log = (args.out / "chaos.log").read_text(errors="replace")
     resumed = [int(m) for m in RESUMED.findall(run_log)]
-    lost = steps_lost(metrics, resumed) if metrics.exists() else []
+    lost, unexplained = steps_lost(metrics, resumed) if metrics.exists() else ([], [])
     diff = 100 * (chaos.get("final_top1", float("nan")) - base["final_top1"])
     report = {
         "kills": len(kills), "kills_in_checkpoint_write": sum(k["in_write"] for k in kills),
-        "resumes_from_checkpoint": len(resumed), "steps_lost_per_kill": lost,
+        "resumes_from_checkpoint": len(resumed), "steps_lost_per_resume": lost,
+        "steps_lost_without_resume": unexplained,
         "steps_lost_mean": sum(lost) / max(len(lost), 1), "steps_lost_max": max(lost, default=0),
         "exit_code": rc, "checkpoints_checked": checked, "checkpoints_bad": bad,
         "corrupt_checkpoint_reports": run_log.count("is corrupt or truncated"),
@@ -351,7 +371,7 @@ def main(argv: list[str]) -> int:
         "command": "largebatch chaos " + " ".join(argv),
     }
     ok = (rc == 0 and not bad and abs(diff) <= args.tolerance and len(kills) == args.kills
-          and len(resumed) == len(kills))   # every kill ended in a resume from a checkpoint, none from scratch
+          and len(resumed) == len(kills) and not unexplained)   # every kill ended in a resume from a checkpoint
     report["passed"] = ok
     from largebatch.checkpoint import atomic_write
 
