@@ -104,14 +104,17 @@ def mesh_options(algorithm: str, mesh: Any, options: dict[str, Any]) -> dict[str
     return {"local_size": x}
 
 
-def _check_layout(algorithm: str, opts: dict[str, Any], p: int) -> None:
-    """Raise the UserError the algorithm would raise for an impossible grid / node size on ``p`` ranks."""
+def check_layout(algorithm: str, opts: dict[str, Any], p: int, where: str = "the group size", *,
+                 given_only: bool = False) -> None:
+    """Raise the UserError the algorithm would raise for an impossible grid / node size on ``p`` ranks (``where``
+    names where ``p`` came from). ``given_only``: check only a layout the options give, not one derived from
+    LOCAL_WORLD_SIZE (a dry run, before the launch that sets it)."""
     from largebatch.comm.topology import resolve_grid, resolve_local_size
 
-    if algorithm == "torus2d":
-        resolve_grid(opts.get("grid"), p)
-    elif algorithm == "hierarchical":
-        resolve_local_size(opts.get("local_size"), p)
+    key = {"torus2d": "grid", "hierarchical": "local_size"}.get(algorithm)
+    if key is None or (given_only and opts.get(key) is None):
+        return
+    (resolve_grid if key == "grid" else resolve_local_size)(opts.get(key), p, where)
 
 
 def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = None,
@@ -138,7 +141,7 @@ def run(tensor: torch.Tensor, spec: Spec, group: Optional[dist.ProcessGroup] = N
         opts = dict(spec.options)
         algorithm = spec.algorithm
         if flat.numel() * flat.element_size() < opts.pop("small_bytes", 0):
-            _check_layout(algorithm, opts, p)           # an impossible grid is an error at any size
+            check_layout(algorithm, opts, p)            # an impossible grid is an error at any size
             algorithm, opts = "native", {}              # small-message fast path (latency-bound)
         if codec.lossy:
             flat.div_(p)                                # pre-scale: no fp16 overflow on the wire

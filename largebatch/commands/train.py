@@ -53,14 +53,11 @@ def check_comm_layout(comm: config_mod.CommConfig, world_size: int, where: str =
     """The layout checks a run makes when its comm hook starts on more than one worker, for --dry-run: a
     comm.grid of X*Y = world size, a comm.local_size that divides it (`where` names where the size came from).
     A grid or node size left to LOCAL_WORLD_SIZE is checked by the run, which knows it."""
-    from largebatch.comm.topology import resolve_grid, resolve_local_size
+    from largebatch.comm.dispatch import check_layout
 
-    if world_size < 2:
-        return   # one worker: no hook, nothing to lay out
-    if comm.algorithm == "torus2d" and comm.grid is not None:
-        resolve_grid(comm.grid, world_size, where)
-    if comm.algorithm == "hierarchical" and comm.local_size is not None:
-        resolve_local_size(comm.local_size, world_size, where)
+    if world_size >= 2:   # one worker: no hook, nothing to lay out
+        check_layout(comm.algorithm, {"grid": comm.grid, "local_size": comm.local_size}, world_size, where,
+                     given_only=True)
 
 
 def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world size") -> dict:
