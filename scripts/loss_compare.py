@@ -34,9 +34,9 @@ COMMON = ["model.width=4", "data.dataset=synthetic", "data.synthetic_size=256", 
           "batch.global_batch=32", "batch.micro_batch=16", "train.log_every=1", "train.max_steps=12",
           "train.threads=1", "train.plots=false", "train.eval_every=0", "schedule.warmup_epochs=1",
           "train.label_smoothing=0.1", "train.ema=0.9", "train.device=cpu", "train.precision=fp32"]
-GOLDEN = {
-    "sgd": ["optim.name=sgd", "optim.nesterov=true"],
-    "lars": ["optim.name=lars", "optim.trust_coefficient=0.02"],
+GOLDEN = {   # each pins its lr: a recipe's tuned lr is not the golden runs' business
+    "sgd": ["optim.name=sgd", "optim.nesterov=true", "optim.lr=0.5"],
+    "lars": ["optim.name=lars", "optim.trust_coefficient=0.02", "optim.lr=0.5"],
     "lamb": ["optim.name=lamb", "optim.lr=0.002"],
 }
 

@@ -20,7 +20,7 @@ for i in $(seq 1 "$N"); do
   make test > "$WORK/run_$i.log" 2>&1; rc=$?
   [ "$rc" = 0 ] || failed=$((failed + 1))
   echo "run $i: rc=$rc $(( $(date +%s) - t0 )) s; load before $load; $(grep -E '[0-9]+ (passed|failed)' "$WORK/run_$i.log" | tail -1)" >> "$LOG"
-  [ "$rc" = 0 ] || cp "$WORK/run_$i.log" "$(dirname "$LOG")/suite_repeat_run_$i.log"
+  [ "$rc" = 0 ] || cp "$WORK/run_$i.log" "$(dirname "$LOG")/suite_repeat_$(git rev-parse --short HEAD)_run_$i.log"
 done
 echo "end $(date -u +%FT%TZ): $failed of $N failed" >> "$LOG"
 rm -rf "$WORK"

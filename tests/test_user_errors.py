@@ -65,10 +65,10 @@ def _expect(result, *fragments):
     ("data.image_size=100000", "do not fit in memory at data.image_size=100000"),   # were allocator tracebacks
     ("data.crop_padding=100000", "data.crop_padding=100000; give smaller values"),
     ("schedule.gamma=5", "schedule.gamma is 5.0; step decay multiplies the lr by gamma"),   # would raise the lr
-    ("schedule.end_lr=1.5", "schedule.end_lr is 1.5, above the peak lr of 1 (optim.lr 0.5 scaled to the global batch"),
+    ("schedule.end_lr=2.5", "schedule.end_lr is 2.5, above the peak lr of 2 (optim.lr 1 scaled to the global batch"),
     ("optim.lr=1e300", "optim.lr is 1e+300; give a learning rate per optim.reference_batch images of at most 10,000"),
     ("batch.phases=[{start_epoch: 0, global_batch: 256, lr: 1e300}]", "batch.phases[0].lr is 1e+300; give a positive"),
-    ("schedule.warmup_start_lr=1.5", "schedule.warmup_start_lr is 1.5, above the peak lr of 1 (optim.lr 0.5 scaled"),
+    ("schedule.warmup_start_lr=2.5", "schedule.warmup_start_lr is 2.5, above the peak lr of 2 (optim.lr 1 scaled"),
     ("comm.timeout_s=1e-7", "comm.timeout_s is 1e-07; give 1 to 604800 seconds"),
     ("comm.timeout_s=1e20", "comm.timeout_s is 1e+20"),   # was an OverflowError in timedelta at the first collective
     ("optim.weight_decay=1e300", "optim.weight_decay is 1e+300; give a value in [0, 1)"),
