@@ -39,7 +39,7 @@ def test_torchvision_parameter_counts(resnet50: nn.Module) -> None:
 
 
 def test_resnet50_macs_match_the_literature(resnet50: nn.Module) -> None:
-    # FACTS.md: "ResNet-50 forward at 224x224 is about 4.1 GFLOPs" -- that figure counts multiply-adds.
+    # "ResNet-50 forward at 224x224 is about 4.1 GFLOPs" (He et al.) -- that figure counts multiply-adds.
     # count_macs gives MACs; count_flops gives 2 x MACs (hardware FLOPs, for MFU).
     macs = count_macs(resnet50, (1, 3, 224, 224))
     assert abs(macs - 4.1e9) / 4.1e9 < 0.03, macs

@@ -2,7 +2,7 @@
 
 Convention. One MAC is one multiply plus one add; FLOPs = 2 x MACs, the unit of a device's peak
 FLOP/s (an FMA counts as 2 FLOPs), so MFU = 3 * count_flops * images/s / peak FLOP/s is consistent.
-The "4.1 GFLOPs" usually quoted for ResNet-50 at 224 px (He et al.; FACTS.md) is a MAC count:
+The "4.1 GFLOPs" usually quoted for ResNet-50 at 224 px (He et al.) is a MAC count:
 `count_macs(resnet50)` = 4.09e9 and `count_flops(resnet50)` = 8.18e9 per image.
 
 Method (for any nn.Module: largebatch's own, timm's, torchvision's or a factory's):

@@ -1,4 +1,4 @@
-"""`largebatch plan --validate`: the model against published runs (shared/FACTS.md).
+"""`largebatch plan --validate`: the model against published runs (docs/performance_sources.md).
 
 1. Each row is a published run: its plan (device, topology, algorithm, batch, precision) and one
    published quantity (time-to-train, images/s or scaling efficiency).
@@ -224,7 +224,7 @@ def _mlperf_multinode() -> list[Row]:
 
 
 def rows() -> list[Row]:
-    """Steps 1-3 for every published row (sources: docs/performance_sources.md, shared/FACTS.md).
+    """Steps 1-3 for every published row (sources: docs/performance_sources.md).
 
     Stack per row, chosen by release, date and framework before looking at the errors: an MLPerf row uses
     its release's stack (`mlperf-v0.5`, `mlperf-v0.6`, `mlperf-2020` for v0.7, `mlperf-v1.0` ... `mlperf-v3.0`,
@@ -312,14 +312,14 @@ def rows() -> list[Row]:
                        f"{stack} factor" if fit else stack))
     h8 = predict(device="h100", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3200,
                  precision="fp16", epochs=35, stack="mlperf-v3.0", **RN50)
-    out.append(Row("MLPerf Training v3.0 (FACTS.md)", "8 H100, batch 3,200, 35 epochs", "time-to-train (min)",
+    out.append(Row("MLPerf Training v3.0", "8 H100, batch 3,200, 35 epochs", "time-to-train (min)",
                    13.466, h8.time_to_train_s / 60, "FIT (input)",
                    "single node of the mlperf-v3.0 H100 fit's configuration (8 H100, MXNet 23.04, batch 3,200); "
                    "batch and epochs from that fit's log (dgxh100_ngc23.04_mxnet result_0.txt, 13.60 min); "
                    "evaluation every 4 epochs modelled"))
     h200 = predict(device="h200", devices=8, devices_per_node=8, intra_node="nvlink4", global_batch=3200,
                    precision="fp16", epochs=35, stack="mlperf-v4.0", **RN50)
-    out.append(Row("MLPerf Training v4.0 (FACTS.md)", "8 H200, batch 3,200, 35 epochs", "time-to-train (min)",
+    out.append(Row("MLPerf Training v4.0", "8 H200, batch 3,200, 35 epochs", "time-to-train (min)",
                    12.03, h200.time_to_train_s / 60, "FIT (input)",
                    "single node of the mlperf-v4.0 H200 fit's configuration (8 H200, MXNet 24.04, 400 per GPU, "
                    "h200_ngc24.04_mxnet result_0.txt); evaluation every 4 epochs modelled"))

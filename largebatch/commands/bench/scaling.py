@@ -1,6 +1,6 @@
 """`largebatch bench scaling`: weak-scaling efficiency of real training from 1 to N workers, per all-reduce algorithm.
 
-Weak scaling (FACTS.md): efficiency(N) = throughput(N) / (N x throughput(1)) at the same per-worker batch.
+Weak scaling: efficiency(N) = throughput(N) / (N x throughput(1)) at the same per-worker batch.
 
 1. One worker: `largebatch train` (the real trainer, one process, --threads intra-op threads) on the synthetic
    source for 2 x --steps steps of --per-worker-batch images, logging every --steps steps; its images/s is
