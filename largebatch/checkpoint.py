@@ -41,7 +41,9 @@ import torch
 
 PREFIX = "step-"
 MANIFEST = ".largebatch-written"   # step 7: the names of the files this directory's writer created
-_OWN_TMP = re.compile(r"\.tmp-(step-\d+\.(pt|json)|\.largebatch-written)-\d+")   # atomic_write's, of ours
+# atomic_write's temporary names, of ours: ".tmp-NAME-PID" of a checkpoint's data or metadata (groups: the step,
+# the pid) or of the manifest (no step)
+OWN_TMP = re.compile(rf"\.tmp-(?:{re.escape(PREFIX)}(\d+)\.(?:pt|json)|{re.escape(MANIFEST)})-(\d+)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -164,7 +166,7 @@ def prune(directory: Path, keep: int) -> None:
                 orphan.unlink(missing_ok=True)
                 removed.add(orphan.name)
     for tmp in directory.glob(".tmp-*"):  # leftovers of our writer killed mid-write
-        if _OWN_TMP.fullmatch(tmp.name) and _regular(tmp) and time.time() - tmp.lstat().st_mtime > 60:
+        if OWN_TMP.fullmatch(tmp.name) and _regular(tmp) and time.time() - tmp.lstat().st_mtime > 60:
             tmp.unlink(missing_ok=True)
     if removed:   # the manifest forgets them: a file put under a pruned name later is not ours
         atomic_write(directory / MANIFEST, "".join(f"{n}\n" for n in sorted(ours - removed)).encode())

@@ -121,18 +121,16 @@ def _wait_new_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float 
     return False
 
 
-# The temporary file of a checkpoint being written: `checkpoint.atomic_write`'s ".tmp-NAME-PID" of a step's
-# data or metadata (its manifest's temporary file is no checkpoint write: it is rewritten after one completes).
-WRITE_TMP = re.compile(r"\.tmp-step-(\d+)\.(?:pt|json)-(\d+)")
-
-
 def _writes(ckpt_dir: Path, writer: int) -> dict[str, int]:
-    """The temporary files of checkpoint writes by `writer` in `ckpt_dir`: name -> step."""
+    """The temporary files of checkpoint writes by `writer` in `ckpt_dir` (`checkpoint.OWN_TMP` of a step's data or
+    metadata; the manifest's is no checkpoint write: it is rewritten after one completes): name -> step."""
+    from largebatch.checkpoint import OWN_TMP
+
     try:
         names = [e.name for e in os.scandir(ckpt_dir)]
     except OSError:
         return {}
-    return {n: int(m[1]) for n in names if (m := WRITE_TMP.fullmatch(n)) and int(m[2]) == writer}
+    return {n: int(m[1]) for n in names if (m := OWN_TMP.fullmatch(n)) and m[1] and int(m[2]) == writer}
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
