@@ -1,0 +1,91 @@
+"""The cost of the shards' start-up check (docs/reliability.md, "Damaged data"): `shards.check_split` walks
+every shard's tar headers and reads each label before the first step, on every rank.
+
+    python scripts/shard_walk_cost.py [--samples 50000] [--shards 10] [--image-kb 8] [--repeats 3]
+
+1. A shard set written by `data pack`'s own writer (`shards._write_shards`) into a scratch directory: one
+   generated JPEG of about --image-kb KB stored under every key (the walk reads headers, not images, so with the
+   page cache warm the image size moves the cost little), labels spread over 1,000 classes.
+2. The walk of the train split, --repeats times with the page cache warm: seconds, samples/s, and what that
+   rate makes of ImageNet's 1,281,167 training samples.
+3. The machine, torch and the load average first, so the figure is read against what ran beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+IMAGENET_TRAIN = 1_281_167
+
+
+def machine() -> str:
+    """Step 3."""
+    model = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True,
+                           text=True).stdout.strip() or platform.processor()
+    flags = set(Path("/proc/cpuinfo").read_text().split("\n\n")[0].split())
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, flags {' '.join(shown)}; load {load}"
+
+
+def jpeg(kb: int) -> bytes:
+    """A noise JPEG of about `kb` KB (noise compresses poorly, so the side sets the size)."""
+    side = 16
+    while True:
+        buf = io.BytesIO()
+        pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+        if buf.tell() >= kb * 1024 or side >= 2048:
+            return buf.getvalue()
+        side = int(side * 1.25) + 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=50_000)
+    p.add_argument("--shards", type=int, default=10)
+    p.add_argument("--image-kb", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+
+    import torch
+
+    from largebatch.data import shards
+
+    print(f"{machine()}; torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        image = root / "image.jpg"
+        image.write_bytes(jpeg(args.image_kb))
+        paths = [image] * args.samples
+        labels = [i % 1000 for i in range(args.samples)]
+        per_shard = image.stat().st_size + 1536
+        out = root / "shards"
+        out.mkdir()
+        index = shards._write_shards(out, [f"c{i}" for i in range(1000)], [("train", paths, labels), ("val", [], [])],
+                                     per_shard * -(-args.samples // args.shards), seed=0)
+        entry = index["splits"]["train"]
+        mb = sum((out / s["name"]).stat().st_size for s in entry["shards"]) / 2**20
+        print(f"shards: {entry['total']} samples in {len(entry['shards'])} shards, {mb:.0f} MB, "
+              f"image {image.stat().st_size} bytes")
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            shards.check_split(out, "train", entry, 1000)
+            dt = time.perf_counter() - t0
+            rate = entry["total"] / dt
+            print(f"walk {r + 1}: {dt:.2f} s, {rate:,.0f} samples/s; ImageNet's train split at this rate: "
+                  f"{IMAGENET_TRAIN / rate:.0f} s per rank")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
