@@ -4,14 +4,15 @@
 #
 #   scripts/doc_evidence.sh [STEP...]     # all steps, or only those named (e.g. 1 4)
 #
-# 1. results/reliability/test_durations.log: `make test` with pytest's slowest 60 durations
-#    (docs/reliability.md, "How it is tested"; and the README's `make test` time).
+# 1. results/reliability/test_durations.log: `make test` in one pytest process with pytest's slowest 60 durations
+#    (docs/reliability.md, "How it is tested": each case alone).
 # 2. results/communication/gloo_collectives_{2,4}.log: gloo's own collectives at 16 MB on 2 and 4 processes
 #    (docs/communication.md, why the native-composed in-node step is an all_to_all on gloo).
 # 3. results/communication/pipeline_{8,16,32}.log: torus2d:native's piece count on 2 namespaced hosts x 2 at
 #    1 Gbit/s (docs/communication.md, "Smaller pieces").
 # 4. results/reliability/shard_walk.log: the shards' start-up check on 50,000 samples (docs/reliability.md,
 #    "Damaged data"; scripts/shard_walk_cost.py).
+# 5. results/reliability/test_durations_2_workers.log: `make test` as it runs (2 pytest workers), the README's time.
 # Each log starts with the machine, the commit and the load average; the script waits (up to 5 minutes) for
 # the 1-minute load to fall below 1 first.
 set -uo pipefail
@@ -29,9 +30,9 @@ run() {   # run LOG COMMAND...: the header, then the command's output, then its 
   { header "$@"; "$@" 2>&1; echo "### rc=$? in $((SECONDS - t0)) s"; } > "$log.tmp" && mv "$log.tmp" "$log"
   tail -1 "$log"
 }
-STEPS=" ${*:-1 2 3 4} "
+STEPS=" ${*:-1 2 3 4 5} "
 step() { [[ $STEPS == *" $1 "* ]]; }
-step 1 && run results/reliability/test_durations.log make test PYTEST_ARGS="--durations=60"
+step 1 && run results/reliability/test_durations.log make test TEST_WORKERS=0 PYTEST_ARGS="--durations=60"
 step 2 && for P in 2 4; do
   run results/communication/gloo_collectives_$P.log .venv/bin/torchrun --nproc-per-node $P scripts/gloo_collectives.py 16
 done
@@ -40,4 +41,5 @@ step 3 && for N in 8 16 32; do
     bench allreduce --small-bytes 0 --algorithms torus2d:native --sizes 16MB,64MB --rounds 3 --pipeline $N
 done
 step 4 && run results/reliability/shard_walk.log .venv/bin/python scripts/shard_walk_cost.py
+step 5 && run results/reliability/test_durations_2_workers.log make test PYTEST_ARGS="--durations=30"
 exit 0
