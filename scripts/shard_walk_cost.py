@@ -8,15 +8,13 @@ every shard's tar headers and reads each label before the first step, on every r
    page cache warm the image size moves the cost little), labels spread over 1,000 classes.
 2. The walk of the train split, --repeats times with the page cache warm: seconds, samples/s, and what that
    rate makes of ImageNet's 1,281,167 training samples.
-3. The machine, torch and the load average first, so the figure is read against what ran beside it.
+3. The machine (`metrics.machine`) and the load average first, so the figure is read against what ran beside it.
 """
 from __future__ import annotations
 
 import argparse
 import io
 import os
-import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,16 +23,6 @@ import numpy as np
 from PIL import Image
 
 IMAGENET_TRAIN = 1_281_167
-
-
-def machine() -> str:
-    """Step 3."""
-    model = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True,
-                           text=True).stdout.strip() or platform.processor()
-    flags = set(Path("/proc/cpuinfo").read_text().split("\n\n")[0].split())
-    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, flags {' '.join(shown)}; load {load}"
 
 
 def jpeg(kb: int) -> bytes:
@@ -60,8 +48,10 @@ def main() -> int:
     import torch
 
     from largebatch.data import shards
+    from largebatch.metrics import machine
 
-    print(f"{machine()}; torch {torch.__version__}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{machine(torch.device('cpu'))}; load {load}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         image = root / "image.jpg"
