@@ -54,8 +54,10 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
     study stops its cell's launcher and worker (no orphans), records the cell as interrupted, exits 143; run again,
     the study resumes that cell from its checkpoint instead of counting it failed."""
     out = tmp_path / "study"
-    args = ["study", "batch-scaling", *TINY, "--epochs", "2", "--out", str(out)]
-    slow = {"LARGEBATCH_FAULTS": "hang@0:2-10", "LARGEBATCH_FAULT_HANG_S": "1"}   # 1 s per step: time to signal
+    args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
+    # 1 s per step: the cell is still training when the signal comes, however slow the second study's start-up
+    # (with 8 slow steps, a loaded machine let the cell finish first)
+    slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}
     first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT, env={**os.environ, **slow},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -88,6 +90,33 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
     assert "resumed from" in (out / "runs" / "sgd-b32-s0" / "train.log").read_text()
     (cell,) = json.loads((out / "study.json").read_text())["cells"]
     assert cell["top1"] is not None and "interrupted" not in cell
+
+
+def test_a_signal_that_comes_as_a_cell_finishes_leaves_the_cell_done_not_failed(tmp_path):
+    """SIGTERM to the study just after its cell wrote summary.json (the cell's launcher, still shutting down,
+    then exits 143): the cell is done, with its result, and nothing is called failed."""
+    out = tmp_path / "study"
+    summary = out / "runs" / "sgd-b32-s0" / "summary.json"
+    study = subprocess.Popen([sys.executable, "-m", "largebatch", "study", "batch-scaling", *TINY, "--epochs", "2",
+                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not summary.exists() and study.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        assert summary.exists(), study.communicate()
+        study.send_signal(signal.SIGTERM)
+        _, err = study.communicate(timeout=120)
+    finally:
+        if study.poll() is None:
+            os.killpg(study.pid, signal.SIGKILL)
+    assert "failed" not in err, err
+    (cell,) = json.loads((out / "study.json").read_text())["cells"]
+    assert cell["top1"] is not None and "interrupted" not in cell
+    if study.returncode == 143:   # the signal came before the study's end (0: after it)
+        assert "before signal 15 reached it" in err and "stopped by signal 15" in err, err
+    else:
+        assert study.returncode == 0, err
 
 
 def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_path):

@@ -24,7 +24,8 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
    a directory that holds a training run or other files (a user's own study.md) is refused. SIGTERM and SIGINT
    (`Stop`) are forwarded to the running cell's launcher and its workers (a process group of their own), which
    stop at the next step with a checkpoint; the study waits for them, records the cell as interrupted (not
-   failed) and exits 128 + the signal; run again, it resumes that cell.
+   failed) and exits 128 + the signal; run again, it resumes that cell. A cell that the signal reaches after it
+   wrote its summary is done, with its result.
 6. Files a user can edit or damage are checked before any cell trains, each refused in one sentence naming the
    file: OUT/study.json (`earlier_machines`), every planned cell's summary.json (`read_summary`), a
    --from-tuning study.json's table (`_tuning_rows`).
@@ -767,6 +768,10 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
                               "when the study is run again")
             elif status == "diverged":   # a result, not a failure: this lr is too large here
                 console.print(f"study: {label} diverged")
+            elif status == "finished" and stop is not None and stop.signum is not None:
+                # the signal reached the cell after it wrote its summary (its launcher then exits 128 + signum)
+                console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s, before signal {stop.signum} "
+                              "reached it")
             elif proc.returncode != 0:
                 console.print(f"[red]study: cell {label} failed (exit {proc.returncode}); see {run_dir / 'train.log'}[/]")
             else:
