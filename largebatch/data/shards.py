@@ -41,7 +41,8 @@ Damaged shards (exactly once, or a sentence naming the shard):
 
 6. Start-up: ``check_index`` checks index.json's fields; ``check_split`` walks the tar
    headers of every shard of both splits (and reads each label's few bytes; no image is
-   decoded): a file that is missing, empty or not an uncompressed tar, a member that is a
+   decoded; directly for the plain ustar layout ``data pack`` writes, through tarfile for
+   any other layout and for every damaged shard, so tarfile's reading decides): a file that is missing, empty or not an uncompressed tar, a member that is a
    directory, a link, an absolute or ``..`` name or anything but ``<key>.jpg`` /
    ``<key>.cls``, a member that runs past the end of the file, an image without its label
    or a label without its image, a key twice or outside ``0..total-1``, a label that is
@@ -377,34 +378,133 @@ def _open_shard(path: Path) -> tuple[tarfile.TarFile, int]:
         raise UserError(f"cannot read shard {shown(path)} ({err.strerror or err}); {os_error_fix(err)}.") from None
 
 
+class _Unusual(Exception):
+    """The direct header walk met something outside the plain layout; the tarfile walk decides."""
+
+
+# The fixed-width ustar fields as `data pack` (Python's tarfile) and GNU tar write them for a regular file, at
+# 100:157 of a header: mode, uid, gid as 7 octal digits, size and mtime as 11, each ended by NUL or space, the
+# checksum as 6 digits, NUL, space, and the type '0' or NUL; at 329:346 devmajor and devminor (octal or empty)
+# and the first byte of an empty name prefix.
+_PLAIN_FIELDS = re.compile(rb"[0-7]{7}[\0 ][0-7]{7}[\0 ][0-7]{7}[\0 ]([0-7]{11})[\0 ][0-7]{11}[\0 ][0-7]{6}\0 [0\0]")
+_PLAIN_DEV = re.compile(rb"(?:[0-7]{7}[\0 ]|\0{8}){2}\0")
+_PLAIN_NAME = re.compile(rb"(\d{1,18})\.(jpg|cls)")   # bytes: ASCII digits only, as _MEMBER's \d is not
+_ZERO_BLOCK = bytes(512)
+
+
+def _plain_keys(path: Path, num_classes: int) -> list[int]:
+    """The keys of one shard in order, each label checked, by reading its ustar headers directly.
+
+    The fast path of `check_split`, for shards as `data pack` writes them: about one `pread` per member. It
+    accepts only what tarfile reads the same way (regular members, octal fields, no prefix, pax or GNU
+    extensions, a valid checksum) and what the tarfile walk would accept (the rules of `_samples_in` and
+    `_label`); anything else, damage included, raises _Unusual, and the caller walks the shard with tarfile,
+    which names the problem or reads the unusual layout.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        raise _Unusual from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise _Unusual
+        keys: list[int] = []
+        seen: set[int] = set()
+        heads: list[bytes] = []            # checked at the end, all at once
+        sums: list[int] = []
+        key, have, off = -1, 0, 0          # have: 1 = the key's image seen, 2 = its label
+        while off < size:
+            block = os.pread(fd, 1024, off)
+            head = block[:512]             # a header cut short cannot pass `off > size` below
+            if head == _ZERO_BLOCK:
+                break                      # end of archive (tarfile stops at the first zero block too)
+            fields = _PLAIN_FIELDS.fullmatch(head, 100, 157)
+            end = head.find(b"\0", 0, 100)
+            name = _PLAIN_NAME.fullmatch(head, 0, 100 if end < 0 else end)
+            if fields is None or name is None or _PLAIN_DEV.fullmatch(head, 329, 346) is None:
+                raise _Unusual
+            heads.append(head)
+            sums.append(int(head[148:154], 8))
+            n = int(fields[1], 8)
+            data = off + 512
+            off = data + -(-n // 512) * 512
+            if off > size:
+                raise _Unusual             # truncated member or padding
+            k, bit = int(name[1]), 1 if name[2] == b"jpg" else 2
+            if k != key:
+                if have not in (0, 3) or k in seen:
+                    raise _Unusual         # an incomplete sample, or a key twice
+                seen.add(k)
+                keys.append(k)
+                key, have = k, 0
+            if have & bit:
+                raise _Unusual             # a member twice
+            have |= bit
+            if bit == 2:
+                text = block[512:512 + n].strip()
+                if n > 20 or not text.isdigit() or int(text) >= num_classes:
+                    raise _Unusual
+        if have not in (0, 3):
+            raise _Unusual
+        if heads:                          # the checksums, all at once: 256 + every byte but the field's 8
+            blocks = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 512)
+            got = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 256
+            if not np.array_equal(got, np.asarray(sums, dtype=np.int64)):
+                raise _Unusual
+        return keys
+    finally:
+        os.close(fd)
+
+
+def _claim(owner: np.ndarray, i: int, keys: list[int], root: Path, split: str, entry: dict, path: Path) -> None:
+    """Record that shard `i` (at `path`) holds `keys`; a key outside the split or held by an earlier shard is
+    one sentence, the first such key in the shard's order."""
+    total = entry["total"]
+    for key in keys:
+        if key >= total:
+            raise UserError(f"shard {shown(path)} holds key {key:09d}, outside 0..{total - 1} of the {total} "
+                            f"{split} samples in {INDEX}; {_FIX}.")
+        if owner[key] >= 0:
+            raise UserError(f"key {key:09d} is in shard {shown(path)} and in shard "
+                            f"{shown(root / entry['shards'][owner[key]]['name'])}; each sample must be "
+                            f"in one shard once: {_FIX}.")
+        owner[key] = i
+
+
 def check_split(root: Path, split: str, entry: dict, num_classes: int) -> None:
     """Refuse a damaged split before any training: every shard of it is an uncompressed tar whose members
     (headers only, and each label's few bytes) are the samples index.json says, each key of 0..total-1 once.
 
-    This is a header walk, not a decode: about one 512-byte header read per member.
+    This is a header walk, not a decode: about one 512-byte header read per member, directly (`_plain_keys`)
+    for shards in the plain layout, and through tarfile, which names what is wrong, for any other.
     """
-    total = entry["total"]
-    owner = np.full(total, -1, dtype=np.int32)   # which shard holds each key
+    owner = np.full(entry["total"], -1, dtype=np.int32)   # which shard holds each key
     for i, shard in enumerate(entry["shards"]):
         path = root / shard["name"]
-        tar, size = _open_shard(path)
-        count = 0
-        with tar:
-            for key, group in _samples_in(tar, shown(path), size):
-                if key >= total:
-                    raise UserError(f"shard {shown(path)} holds key {key:09d}, outside 0..{total - 1} of the {total} "
-                                    f"{split} samples in {INDEX}; {_FIX}.")
-                if owner[key] >= 0:
-                    raise UserError(f"key {key:09d} is in shard {shown(path)} and in shard "
-                                    f"{shown(root / entry['shards'][owner[key]]['name'])}; each sample must be "
-                                    f"in one shard once: {_FIX}.")
-                owner[key] = i
-                _label(tar, shown(path), group["cls"], num_classes)
-                count += 1
+        try:
+            keys = _plain_keys(path, num_classes)
+            _claim(owner, i, keys, root, split, entry, path)
+            count = len(keys)
+        except _Unusual:
+            count = _tar_walk(owner, i, root, split, entry, path, num_classes)
         if count != shard["count"]:
             why = "the shard is truncated or" if count < shard["count"] else "the shard has extra samples or"
             raise UserError(f"shard {shown(path)} holds {count} samples but {INDEX} lists {shard['count']} ({why} "
                             f"{INDEX} is wrong); {_FIX}.")
+
+
+def _tar_walk(owner: np.ndarray, i: int, root: Path, split: str, entry: dict, path: Path, num_classes: int) -> int:
+    """check_split's walk of one shard through tarfile, member by member: the first problem in the shard's
+    order is one sentence. The number of samples it holds."""
+    tar, size = _open_shard(path)
+    count = 0
+    with tar:
+        for key, group in _samples_in(tar, shown(path), size):
+            _claim(owner, i, [key], root, split, entry, path)
+            _label(tar, shown(path), group["cls"], num_classes)
+            count += 1
+    return count
 
 
 def _read_pieces(root: Path, names: list[str], counts: list[int], pieces: list[tuple[int, int, int]],
