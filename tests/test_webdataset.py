@@ -201,6 +201,26 @@ def test_bad_labels_are_one_sentence_exit_2_and_nothing_written(published, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("size", [-512, -(2**80)])
+def test_a_member_with_a_negative_size_is_one_sentence_not_a_hang(published, tmp_path, size):
+    """A size field in tar's base-256 form that reads as negative: tarfile then reads the same header again
+    without end (-512) or fails to seek (ValueError): each is one sentence naming the shard and the member."""
+    from largebatch.data import wds as W
+
+    shard = tmp_path / "train-000000.tar"
+    data = bytearray((published[0] / shard.name).read_bytes())
+    with tarfile.open(published[0] / shard.name) as tar:
+        first = next(iter(tar))
+    at = first.offset_data - 512   # the member's own header (after webdataset's pax header)
+    data[at + 124:at + 136] = b"\xff" + (256**11 + size).to_bytes(11, "big")
+    data[at + 148:at + 156] = b" " * 8
+    data[at + 148:at + 156] = b"%06o\0 " % sum(data[at:at + 512])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=f"shard {shard} has a member {first.name} with a negative size \\({size}\\); "
+                                        "copy it again"):
+        W.walk(shard, CLASSES)
+
+
 def test_a_brace_pattern_matching_nothing_exits_2_and_writes_nothing(tmp_path, cli):
     proc = cli("train", "--set", "data.dataset=webdataset", "--set", f"data.root={tmp_path}/x-{{0..3}}.tar",
                "--run-dir", tmp_path / "run", "--quiet")

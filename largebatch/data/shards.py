@@ -68,7 +68,7 @@ import random
 import re
 import tarfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -271,6 +271,8 @@ def _member_problem(member: tarfile.TarInfo, size: int) -> str | None:
         return f"has a directory member {name} (shards hold only files)"
     if not member.isreg():
         return f"has a member {name} that is not a regular file"
+    if member.size < 0:
+        return f"has a member {name} with a negative size ({member.size})"
     if member.name.startswith("/"):
         return f"has a member with an absolute name {name}"
     if ".." in member.name.split("/"):
@@ -283,16 +285,16 @@ def _member_problem(member: tarfile.TarInfo, size: int) -> str | None:
     return None
 
 
-def _members(tar: tarfile.TarFile, where: str) -> Iterator[tarfile.TarInfo]:
-    """The members of an open shard, one header at a time; a damaged header is one sentence."""
+def _members(tar: tarfile.TarFile, where: str, fix: str = _FIX) -> Iterator[tarfile.TarInfo]:
+    """The members of an open shard, one header at a time; a damaged header is one sentence ending in `fix`."""
     it, count = iter(tar), 0
     while True:
         try:
             member = next(it)
         except StopIteration:
             return
-        except tarfile.TarError as err:
-            raise UserError(f"shard {where} is damaged after {count} members ({err}); {_FIX}.") from None
+        except (tarfile.TarError, ValueError) as err:   # ValueError: a header's offsets beyond a file's
+            raise UserError(f"shard {where} is damaged after {count} members ({err}); {fix}.") from None
         count += 1
         yield member
 
@@ -378,83 +380,142 @@ def _open_shard(path: Path) -> tuple[tarfile.TarFile, int]:
         raise UserError(f"cannot read shard {shown(path)} ({err.strerror or err}); {os_error_fix(err)}.") from None
 
 
-class _Unusual(Exception):
+class Unusual(Exception):
     """The direct header walk met something outside the plain layout; the tarfile walk decides."""
 
 
-# The fixed-width ustar fields as `data pack` (Python's tarfile) and GNU tar write them for a regular file, at
+class PlainMember(NamedTuple):
+    """A regular member as `plain_members` reads it: what tarfile's TarInfo says of it (its `name` decoded
+    as tarfile decodes it), and the first bytes of its data, read with its header."""
+    name: str
+    offset_data: int
+    size: int
+    head: bytes
+
+    def isreg(self) -> bool:
+        return True
+
+
+# The fixed-width ustar fields as Python's tarfile (`data pack`, webdataset's writer) and GNU tar write them, at
 # 100:157 of a header: mode, uid, gid as 7 octal digits, size and mtime as 11, each ended by NUL or space, the
-# checksum as 6 digits, NUL, space, and the type '0' or NUL; at 329:346 devmajor and devminor (octal or empty)
-# and the first byte of an empty name prefix.
-_PLAIN_FIELDS = re.compile(rb"[0-7]{7}[\0 ][0-7]{7}[\0 ][0-7]{7}[\0 ]([0-7]{11})[\0 ][0-7]{11}[\0 ][0-7]{6}\0 [0\0]")
+# checksum as 6 digits, NUL, space, and the type: '0' or NUL (a file) or 'x' (a pax header for the next);
+# at 329:346 devmajor and devminor (octal or empty) and the first byte of an empty name prefix.
+_PLAIN_FIELDS = re.compile(rb"[0-7]{7}[\0 ][0-7]{7}[\0 ][0-7]{7}[\0 ]([0-7]{11})[\0 ][0-7]{11}[\0 ][0-7]{6}\0 ([0\0x])")
 _PLAIN_DEV = re.compile(rb"(?:[0-7]{7}[\0 ]|\0{8}){2}\0")
-_PLAIN_NAME = re.compile(rb"(\d{1,18})\.(jpg|cls)")   # bytes: ASCII digits only, as _MEMBER's \d is not
+_PAX_TIME = re.compile(rb"(\d+) [acm]time=-?\d+(?:\.\d+)?\n")   # a pax record that names no path and no size
 _ZERO_BLOCK = bytes(512)
 
 
-def _plain_keys(path: Path, num_classes: int) -> list[int]:
-    """The keys of one shard in order, each label checked, by reading its ustar headers directly.
+def plain_members(path: Path) -> list[PlainMember]:
+    """Every member of an uncompressed tar, read from its headers directly: about one `pread` per member, a
+    few times faster than tarfile's walk, for the plain layout that tar writers produce.
 
-    The fast path of `check_split`, for shards as `data pack` writes them: about one `pread` per member. It
-    accepts only what tarfile reads the same way (regular members, octal fields, no prefix, pax or GNU
-    extensions, a valid checksum) and what the tarfile walk would accept (the rules of `_samples_in` and
-    `_label`); anything else, damage included, raises _Unusual, and the caller walks the shard with tarfile,
-    which names the problem or reads the unusual layout.
+    It accepts only what tarfile reads the same way: regular members with octal fields, an unsigned checksum
+    that holds, no name prefix and no GNU extension, pax headers only of times (mtime, atime, ctime: what
+    webdataset's writer adds to each member), the archive ending in a zero block or at the end of the file
+    with every member whole. Anything else, damage included, raises Unusual, and the caller walks the shard
+    with tarfile, which names the problem or reads the unusual layout.
     """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        raise _Unusual from None
+        raise Unusual from None
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            raise _Unusual
-        keys: list[int] = []
-        seen: set[int] = set()
-        heads: list[bytes] = []            # checked at the end, all at once
+            raise Unusual
+        members: list[PlainMember] = []
+        heads: list[bytes] = []            # every header's checksum, checked at the end, all at once
         sums: list[int] = []
-        key, have, off = -1, 0, 0          # have: 1 = the key's image seen, 2 = its label
+        off, pax = 0, False
         while off < size:
             block = os.pread(fd, 1024, off)
             head = block[:512]             # a header cut short cannot pass `off > size` below
             if head == _ZERO_BLOCK:
-                break                      # end of archive (tarfile stops at the first zero block too)
+                break                      # the end of the archive (tarfile stops at the first zero block)
             fields = _PLAIN_FIELDS.fullmatch(head, 100, 157)
-            end = head.find(b"\0", 0, 100)
-            name = _PLAIN_NAME.fullmatch(head, 0, 100 if end < 0 else end)
-            if fields is None or name is None or _PLAIN_DEV.fullmatch(head, 329, 346) is None:
-                raise _Unusual
+            if fields is None or _PLAIN_DEV.fullmatch(head, 329, 346) is None:
+                raise Unusual
             heads.append(head)
             sums.append(int(head[148:154], 8))
             n = int(fields[1], 8)
             data = off + 512
             off = data + -(-n // 512) * 512
             if off > size:
-                raise _Unusual             # truncated member or padding
-            k, bit = int(name[1]), 1 if name[2] == b"jpg" else 2
-            if k != key:
-                if have not in (0, 3) or k in seen:
-                    raise _Unusual         # an incomplete sample, or a key twice
-                seen.add(k)
-                keys.append(k)
-                key, have = k, 0
-            if have & bit:
-                raise _Unusual             # a member twice
-            have |= bit
-            if bit == 2:
-                text = block[512:512 + n].strip()
-                if n > 20 or not text.isdigit() or int(text) >= num_classes:
-                    raise _Unusual
-        if have not in (0, 3):
-            raise _Unusual
-        if heads:                          # the checksums, all at once: 256 + every byte but the field's 8
+                raise Unusual              # a member or its padding runs past the end
+            if fields[2] == b"x":          # pax records of times alone, NUL padding: they change no offset
+                if pax or n > 512 or block[512 + n:1024].strip(b"\0"):
+                    raise Unusual
+                pos = 512
+                while pos < 512 + n:
+                    record = _PAX_TIME.match(block, pos, 512 + n)
+                    if record is None or int(record[1]) != record.end() - pos:
+                        raise Unusual
+                    pos = record.end()
+                pax = True
+                continue
+            end = head.find(b"\0", 0, 100)
+            name = head[:100 if end < 0 else end].decode("utf-8", "surrogateescape")
+            if name.endswith("/") and fields[2] == b"\0":
+                raise Unusual              # tarfile reads this as a directory
+            members.append(PlainMember(name, data, n, block[512:512 + n]))
+            pax = False
+        if pax:
+            raise Unusual                  # a pax header with no member after it
+        if heads:
             blocks = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 512)
             got = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 256
             if not np.array_equal(got, np.asarray(sums, dtype=np.int64)):
-                raise _Unusual
-        return keys
+                raise Unusual
+        return members
     finally:
         os.close(fd)
+
+
+def read_plain(path: Path, where: str, member: PlainMember, fix: str = _FIX) -> bytes:
+    """A member's bytes by `pread` (those read with its header where they are all): `read_member` for
+    `plain_members`'s members, with its sentence when the file cannot be read or has changed."""
+    if member.size <= len(member.head):
+        return member.head[:member.size]
+    try:
+        with open(path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), member.size, member.offset_data)
+    except OSError as err:
+        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); {fix}.") from None
+    if len(data) != member.size:
+        raise UserError(f"shard {where}: cannot read member {shown(member.name)} (the file ends after "
+                        f"{len(data)} of its {member.size} bytes); {fix}.")
+    return data
+
+
+def _plain_keys(path: Path, num_classes: int) -> list[int]:
+    """check_split's fast path: the keys of one shard in order, each label checked, from `plain_members`.
+    Only a shard that the tarfile walk (`_samples_in`, `_label`) accepts gets keys; any problem raises
+    Unusual, so that walk names it."""
+    keys: list[int] = []
+    seen: set[int] = set()
+    key, have = -1, 0                      # have: 1 = the key's image seen, 2 = its label
+    for member in plain_members(path):
+        name = _MEMBER.fullmatch(member.name)
+        if name is None:
+            raise Unusual
+        k, bit = int(name[1]), 1 if name[2] == "jpg" else 2
+        if k != key:
+            if have not in (0, 3) or k in seen:
+                raise Unusual              # an incomplete sample, or a key twice
+            seen.add(k)
+            keys.append(k)
+            key, have = k, 0
+        if have & bit:
+            raise Unusual                  # a member twice
+        have |= bit
+        if bit == 2:
+            text = member.head[:member.size].strip()
+            if member.size > 20 or not text.isdigit() or int(text) >= num_classes:
+                raise Unusual
+    if have not in (0, 3):
+        raise Unusual
+    return keys
 
 
 def _claim(owner: np.ndarray, i: int, keys: list[int], root: Path, split: str, entry: dict, path: Path) -> None:
@@ -486,7 +547,7 @@ def check_split(root: Path, split: str, entry: dict, num_classes: int) -> None:
             keys = _plain_keys(path, num_classes)
             _claim(owner, i, keys, root, split, entry, path)
             count = len(keys)
-        except _Unusual:
+        except Unusual:
             count = _tar_walk(owner, i, root, split, entry, path, num_classes)
         if count != shard["count"]:
             why = "the shard is truncated or" if count < shard["count"] else "the shard has extra samples or"

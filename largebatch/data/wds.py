@@ -28,7 +28,9 @@ in order (evaluation), concatenated into one sequence of `n` samples; each rank 
 and each loader worker a contiguous part of that, so every sample is read by exactly one (rank, worker) in
 evaluation and at most once in training (exactly once where the epoch's steps use every sample). A sample's
 augmentation is keyed by its position in the sequence in listed order, so it does not depend on ranks or
-workers. Start-up (6'): every shard is walked once (tar headers, and each label's bytes; no image decoded): a
+workers. Start-up (6'): every shard is walked once (tar headers, and each label's bytes; no image decoded;
+the headers read directly in the plain layouts, webdataset's writer's pax time records included, through
+tarfile otherwise: `shards.plain_members`): a
 sample without an image or a label, a label that is no whole number or is outside the classes, a damaged or
 truncated tar, or a count other than the index's is one sentence naming the shard and member, before any run
 directory is taken. An image that does not decode follows `data.on_corrupt`, listed as `<shard>/<member>`.
@@ -47,16 +49,18 @@ import os
 import re
 import tarfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from largebatch.cli import ArgumentParser
-from largebatch.data.shards import INDEX, ShardSource, _members, _open_shard, _ShardStream, read_member
+from largebatch.data.shards import (INDEX, PlainMember, ShardSource, Unusual, _members, _open_shard, _ShardStream,
+                                    plain_members, read_member, read_plain)
 from largebatch.errors import UserError, shown
 
 WIDS_KIND = "wids-shard-index-v1"
 IMAGES = ("jpg", "jpeg", "png")
 LABEL_FIELDS = ("label", "cls")
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")   # webdataset's base_plus_ext: key, extension
+_COPY = "copy the shard again"
 _INDEX_FIX = "run 'largebatch data index {}' again after fixing it"
 
 
@@ -205,12 +209,18 @@ def counts(paths: list[Path]) -> tuple[list[int], list[Path]]:
 
 # ---- samples -------------------------------------------------------------------------------------
 
-def samples_in(tar: tarfile.TarFile, where: str, size: int) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
-    """Each sample of a shard in order, from the headers alone: (key, {extension: member}), grouped as
-    webdataset groups them (consecutive members of one key)."""
+Member = TypeVar("Member", tarfile.TarInfo, PlainMember)   # as tarfile reads it, or shards.plain_members
+
+
+def samples_in(members: Iterable[Member], where: str, size: int) -> Iterator[tuple[str, dict[str, Member]]]:
+    """Each sample of a shard in order, from its members' headers alone: (key, {extension: member}), grouped
+    as webdataset groups them (consecutive members of one key)."""
     key: str | None = None
-    group: dict[str, tarfile.TarInfo] = {}
-    for member in _members(tar, where):
+    group: dict[str, Member] = {}
+    for member in members:
+        if member.size < 0:   # tarfile would read its header again, and again
+            raise UserError(f"shard {where} has a member {shown(member.name)} with a negative size ({member.size}); "
+                            "copy it again.")
         if not member.isreg():
             continue
         base = member.name.rsplit("/", 1)[-1]
@@ -232,11 +242,7 @@ def samples_in(tar: tarfile.TarFile, where: str, size: int) -> Iterator[tuple[st
         yield key, group
 
 
-def _read(tar: tarfile.TarFile, where: str, member: tarfile.TarInfo) -> bytes:
-    return read_member(tar, where, member, fix="copy the shard again")
-
-
-def image_member(where: str, key: str, group: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo:
+def image_member(where: str, key: str, group: dict[str, Member]) -> Member:
     member = next((group[e] for e in IMAGES if e in group), None)
     if member is None:
         raise UserError(f"shard {where}: sample {shown(key)} has no image ({', '.join(key + '.' + e for e in IMAGES)}; "
@@ -244,13 +250,13 @@ def image_member(where: str, key: str, group: dict[str, tarfile.TarInfo]) -> tar
     return member
 
 
-def label_of(tar: tarfile.TarFile, where: str, key: str, group: dict[str, tarfile.TarInfo],
+def label_of(read: Callable[[Member], bytes], where: str, key: str, group: dict[str, Member],
              num_classes: int | None) -> int:
     """The class of a sample: <key>.cls as text, else the label field of <key>.json; in 0..num_classes-1
-    (None: any whole number >= 0)."""
+    (None: any whole number >= 0). `read` gives a member's bytes."""
     if "cls" in group:
         member = group["cls"]
-        text = _read(tar, where, member).strip() if member.size <= 20 else b""
+        text = read(member).strip() if member.size <= 20 else b""
         if not re.fullmatch(rb"-?\d+", text):
             what = repr(text) if member.size <= 20 else f"{member.size} bytes"
             raise UserError(f"shard {where}: label member {shown(member.name)} holds {what}, not a class number; "
@@ -259,7 +265,7 @@ def label_of(tar: tarfile.TarFile, where: str, key: str, group: dict[str, tarfil
     elif "json" in group:
         member = group["json"]
         try:
-            meta = json.loads(_read(tar, where, member)) if member.size <= 2**20 else None
+            meta = json.loads(read(member)) if member.size <= 2**20 else None
         except ValueError:
             meta = None
         field = next((f for f in LABEL_FIELDS if isinstance(meta, dict) and f in meta), None)
@@ -283,14 +289,28 @@ def label_of(tar: tarfile.TarFile, where: str, key: str, group: dict[str, tarfil
 
 def walk(path: Path, num_classes: int | None) -> tuple[int, int]:
     """Step 6': a shard's sample count and its largest label, every sample checked (image present, label
-    readable and in range); no image is decoded."""
-    tar, size = _open_shard(path)
+    readable and in range); no image is decoded. The headers are read directly (`shards.plain_members`) in
+    the plain layouts, through tarfile in any other; the same members either way, so the same rules and
+    sentences."""
+    where = shown(path)
+    try:
+        members = plain_members(path)
+    except Unusual:
+        tar, size = _open_shard(path)
+        with tar:
+            return _count(samples_in(_members(tar, where, _COPY), where, size), where, num_classes,
+                          lambda m: read_member(tar, where, m, fix=_COPY))
+    return _count(samples_in(members, where, path.stat().st_size), where, num_classes,
+                  lambda m: read_plain(path, where, m, fix=_COPY))
+
+
+def _count(samples: Iterable[tuple[str, dict[str, Member]]], where: str, num_classes: int | None,
+           read: Callable[[Member], bytes]) -> tuple[int, int]:
     n, top = 0, -1
-    with tar:
-        for key, group in samples_in(tar, shown(path), size):
-            image_member(shown(path), key, group)
-            top = max(top, label_of(tar, shown(path), key, group, num_classes))
-            n += 1
+    for key, group in samples:
+        image_member(where, key, group)
+        top = max(top, label_of(read, where, key, group, num_classes))
+        n += 1
     return n, top
 
 
@@ -319,15 +339,18 @@ class WdsStream(_ShardStream):
             where = shown(path)
             sample = -1
             with tar:
-                for key, group in samples_in(tar, where, size):
+                def read(member: tarfile.TarInfo) -> bytes:
+                    return read_member(tar, where, member, fix=_COPY)
+
+                for key, group in samples_in(_members(tar, where, _COPY), where, size):
                     sample += 1
                     if sample >= stop:
                         break
                     if sample < first:
                         continue   # passed over by seeking: tarfile reads no data we do not extract
                     member = image_member(where, key, group)
-                    label = label_of(tar, where, key, group, self.num_classes)
-                    yield f"{path.name}/{member.name}", offsets[shard] + sample, _read(tar, where, member), label
+                    label = label_of(read, where, key, group, self.num_classes)
+                    yield f"{path.name}/{member.name}", offsets[shard] + sample, read(member), label
             if sample + 1 < stop:
                 raise UserError(f"shard {where} holds {sample + 1} samples but its index lists {self.counts[shard]} "
                                 f"(it is truncated or the index is stale); {_INDEX_FIX.format(shown(path.parent))}.")
