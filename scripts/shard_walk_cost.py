@@ -9,7 +9,9 @@ every shard's tar headers and reads each label before the first step, on every r
 2. The walk of the train split, --repeats times with the page cache warm: seconds, samples/s, and what that
    rate makes of ImageNet's 1,281,167 training samples; first `check_split` as a run does it (the direct
    header walk, as these shards are in the plain layout), then the tarfile walk that shards in any other
-   layout (pax headers, GNU extensions) take.
+   layout (pax headers of more than times, GNU extensions) take; last, where webdataset is installed, the
+   walk of `data.dataset: webdataset` over the same samples written by webdataset's ShardWriter (.jpg, .cls
+   and .json per sample, each after a pax header).
 3. The machine (`metrics.machine`) and the load average first, so the figure is read against what ran beside it.
 """
 from __future__ import annotations
@@ -74,8 +76,23 @@ def main() -> int:
             for i, shard in enumerate(entry["shards"]):
                 shards._tar_walk(owner, i, out, "train", entry, out / shard["name"], 1000)
 
-        for what, walk in (("check_split", lambda: shards.check_split(out, "train", entry, 1000)),
-                           ("tarfile walk", tarfile_walk)):
+        walks = [("check_split", lambda: shards.check_split(out, "train", entry, 1000)), ("tarfile walk", tarfile_walk)]
+        try:
+            import webdataset
+        except ImportError:
+            print("webdataset is not installed (pip install -e '.[test]'): its shards are not timed")
+        else:
+            from largebatch.data import wds
+
+            published = root / "published"
+            published.mkdir()
+            with webdataset.ShardWriter(str(published / "train-%06d.tar"), maxcount=-(-args.samples // args.shards),
+                                        verbose=0) as sink:
+                for i, label in enumerate(labels):
+                    sink.write({"__key__": f"n{label:08d}_{i}", "jpg": image.read_bytes(), "cls": str(label).encode(),
+                                "json": b'{"label": %d}' % label})
+            walks.append(("webdataset walk", lambda: [wds.walk(p, 1000) for p in sorted(published.glob("*.tar"))]))
+        for what, walk in walks:
             for r in range(args.repeats):
                 t0 = time.perf_counter()
                 walk()
