@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import shutil
 import tarfile
@@ -160,6 +161,10 @@ DAMAGES = {
                    ["val-000000.tar is empty (0 bytes)"]),
     "missing shard": (lambda root, index: (root / _first("train")(index)).unlink(),
                       ["train-000000.tar listed in index.json is missing"]),
+    "a directory in a shard's place": (lambda root, index: ((root / _first("train")(index)).unlink(), (
+        root / _first("train")(index)).mkdir()), ["train-000000.tar is a directory", "copy the shard file there again"]),
+    "a FIFO in a shard's place (no hang)": (lambda root, index: ((root / _first("val")(index)).unlink(), os.mkfifo(
+        root / _first("val")(index))), ["val-000000.tar is empty (0 bytes)"]),
     "directory member": (lambda root, index: _rewrite(root / _first("train")(index),
                                                       lambda ms: [(_member("sub", tarfile.DIRTYPE), None)] + ms),
                          ["has a directory member sub"]),
@@ -393,6 +398,26 @@ def test_the_direct_walk_of_packed_shards_applies_the_tarfile_walks_rules(packed
         fast += 1
         assert got == slow, (victim.read_bytes(), got, slow)
     assert fast >= 60, fast
+
+
+def test_the_direct_header_walk_decodes_names_as_tarfile_does_under_any_filesystem_encoding(tmp_path):
+    """Under the C locale (an ASCII file-system encoding) tarfile decodes a non-ASCII member name with surrogate
+    escapes: the direct walk reads the same names, so the two walks never disagree about a member."""
+    import subprocess
+    import sys
+
+    with tarfile.open(tmp_path / "shard.tar", "w", format=tarfile.USTAR_FORMAT, encoding="utf-8") as tar:
+        for name, data in (("\u00e9t\u00e9.jpg", b"\xff\xd8"), ("\u0661.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    code = ("import sys, tarfile; from pathlib import Path; from largebatch.data import shards; "
+            "p = Path(sys.argv[1]); t = tarfile.open(p, 'r:'); "
+            "print(sys.getfilesystemencoding(), [m.name for m in t] == [m.name for m in shards.plain_members(p)])")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "shard.tar")], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert got == ["ascii", "True"], got
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="needs the tar program (GNU tar) to write the shards")

@@ -221,6 +221,19 @@ def test_a_member_with_a_negative_size_is_one_sentence_not_a_hang(published, tmp
         W.walk(shard, CLASSES)
 
 
+@pytest.mark.parametrize("kind, fragment", [("directory", "(Is a directory)"), ("fifo", "is empty (0 bytes)")])
+def test_a_directory_or_fifo_named_like_a_shard_is_one_sentence_not_a_traceback_or_a_hang(tmp_path, kind, fragment):
+    """A directory's *.tar files are its shards: a directory or a FIFO among them is named, at once."""
+    import os
+
+    from largebatch.data import wds as W
+
+    path = tmp_path / "train-000000.tar"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    with pytest.raises(UserError, match=f"shard {path} .*" + fragment.replace("(", "\\(").replace(")", "\\)")):
+        W.walk(path, CLASSES)
+
+
 def test_a_brace_pattern_matching_nothing_exits_2_and_writes_nothing(tmp_path, cli):
     proc = cli("train", "--set", "data.dataset=webdataset", "--set", f"data.root={tmp_path}/x-{{0..3}}.tar",
                "--run-dir", tmp_path / "run", "--quiet")

@@ -66,6 +66,7 @@ import math
 import os
 import random
 import re
+import stat
 import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
@@ -258,7 +259,7 @@ def slot_ranges(counts: list[int], order: list[int], rank: int, world: int, work
     return out
 
 
-_MEMBER = re.compile(r"(\d{1,18})\.(jpg|cls)")
+_MEMBER = re.compile(r"(\d{1,18})\.(jpg|cls)", re.ASCII)   # a key of ASCII digits
 _FIX = "re-pack the ImageFolder with 'largebatch data pack'"
 
 
@@ -376,6 +377,9 @@ def _open_shard(path: Path) -> tuple[tarfile.TarFile, int]:
     except tarfile.TarError as err:
         raise UserError(f"shard {shown(path)} is not an uncompressed tar archive ({err}); copy it again or "
                         f"{_FIX}.") from None
+    except IsADirectoryError:
+        raise UserError(f"shard {shown(path)} is a directory (Is a directory), not a tar file; copy the shard "
+                        f"file there again or {_FIX}.") from None
     except OSError as err:
         raise UserError(f"cannot read shard {shown(path)} ({err.strerror or err}); {os_error_fix(err)}.") from None
 
@@ -417,59 +421,65 @@ def plain_members(path: Path) -> list[PlainMember]:
     with tarfile, which names the problem or reads the unusual layout.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # O_NONBLOCK: a FIFO named like a shard must not block
     except OSError:
         raise Unusual from None
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            raise Unusual
-        members: list[PlainMember] = []
-        heads: list[bytes] = []            # every header's checksum, checked at the end, all at once
-        sums: list[int] = []
-        off, pax = 0, False
-        while off < size:
-            block = os.pread(fd, 1024, off)
-            head = block[:512]             # a header cut short cannot pass `off > size` below
-            if head == _ZERO_BLOCK:
-                break                      # the end of the archive (tarfile stops at the first zero block)
-            fields = _PLAIN_FIELDS.fullmatch(head, 100, 157)
-            if fields is None or _PLAIN_DEV.fullmatch(head, 329, 346) is None:
-                raise Unusual
-            heads.append(head)
-            sums.append(int(head[148:154], 8))
-            n = int(fields[1], 8)
-            data = off + 512
-            off = data + -(-n // 512) * 512
-            if off > size:
-                raise Unusual              # a member or its padding runs past the end
-            if fields[2] == b"x":          # pax records of times alone, NUL padding: they change no offset
-                if pax or n > 512 or block[512 + n:1024].strip(b"\0"):
-                    raise Unusual
-                pos = 512
-                while pos < 512 + n:
-                    record = _PAX_TIME.match(block, pos, 512 + n)
-                    if record is None or int(record[1]) != record.end() - pos:
-                        raise Unusual
-                    pos = record.end()
-                pax = True
-                continue
-            end = head.find(b"\0", 0, 100)
-            name = head[:100 if end < 0 else end].decode("utf-8", "surrogateescape")
-            if name.endswith("/") and fields[2] == b"\0":
-                raise Unusual              # tarfile reads this as a directory
-            members.append(PlainMember(name, data, n, block[512:512 + n]))
-            pax = False
-        if pax:
-            raise Unusual                  # a pax header with no member after it
-        if heads:
-            blocks = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 512)
-            got = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 256
-            if not np.array_equal(got, np.asarray(sums, dtype=np.int64)):
-                raise Unusual
-        return members
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            raise Unusual                  # a directory, a FIFO, a device, an empty file: tarfile's walk names it
+        return _plain_walk(fd, info.st_size)
+    except OSError:
+        raise Unusual from None
     finally:
         os.close(fd)
+
+
+def _plain_walk(fd: int, size: int) -> list[PlainMember]:
+    members: list[PlainMember] = []
+    heads: list[bytes] = []                # every header's checksum, checked at the end, all at once
+    sums: list[int] = []
+    off, pax = 0, False
+    while off < size:
+        block = os.pread(fd, 1024, off)
+        head = block[:512]                 # a header cut short cannot pass `off > size` below
+        if head == _ZERO_BLOCK:
+            break                          # the end of the archive (tarfile stops at the first zero block)
+        fields = _PLAIN_FIELDS.fullmatch(head, 100, 157)
+        if fields is None or _PLAIN_DEV.fullmatch(head, 329, 346) is None:
+            raise Unusual
+        heads.append(head)
+        sums.append(int(head[148:154], 8))
+        n = int(fields[1], 8)
+        data = off + 512
+        off = data + -(-n // 512) * 512
+        if off > size:
+            raise Unusual                  # a member or its padding runs past the end
+        if fields[2] == b"x":              # pax records of times alone, NUL padding: they change no offset
+            if pax or n > 512 or block[512 + n:1024].strip(b"\0"):
+                raise Unusual
+            pos = 512
+            while pos < 512 + n:
+                record = _PAX_TIME.match(block, pos, 512 + n)
+                if record is None or int(record[1]) != record.end() - pos:
+                    raise Unusual
+                pos = record.end()
+            pax = True
+            continue
+        end = head.find(b"\0", 0, 100)
+        name = head[:100 if end < 0 else end].decode(tarfile.ENCODING, "surrogateescape")   # as tarfile does
+        if name.endswith("/") and fields[2] == b"\0":
+            raise Unusual                  # tarfile reads this as a directory
+        members.append(PlainMember(name, data, n, block[512:512 + n]))
+        pax = False
+    if pax:
+        raise Unusual                      # a pax header with no member after it
+    if heads:
+        blocks = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 512)
+        got = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 256
+        if not np.array_equal(got, np.asarray(sums, dtype=np.int64)):
+            raise Unusual
+    return members
 
 
 def read_plain(path: Path, where: str, member: PlainMember, fix: str = _FIX) -> bytes:
