@@ -221,17 +221,19 @@ def test_a_member_with_a_negative_size_is_one_sentence_not_a_hang(published, tmp
         W.walk(shard, CLASSES)
 
 
-_OPENS: list[str] = []   # the files opened while a test listens (sys.audit's "open" events; a hook stays for good)
+_OPENS: list[tuple[str, str | None]] = []   # (file, mode) opened while a test listens: sys.audit's "open" events
+_HOOKED: list[bool] = []                      # an audit hook stays for the process: install it once
 
 
 def _count_opens(event: str, args: tuple) -> None:
     if event == "open" and _OPENS and isinstance(args[0], (str, Path)):
-        _OPENS.append(str(args[0]))
+        _OPENS.append((str(args[0]), args[1]))
 
 
 def test_the_start_up_walk_opens_a_shard_once_for_its_headers_and_once_for_large_labels(tmp_path):
     """Labels longer than the bytes read with their header (a .json of 1 KB here) are read with pread on one
-    descriptor held for the shard's walk, not by opening the shard again for each sample."""
+    descriptor held for the shard's walk, not by opening the shard again for each sample. Both opens are
+    os.open's (mode None): the direct walk's, not tarfile's (which opens the shard in mode 'rb')."""
     import sys
 
     from largebatch.data import wds as W
@@ -241,14 +243,16 @@ def test_the_start_up_walk_opens_a_shard_once_for_its_headers_and_once_for_large
         for i in range(6):
             sink.write({"__key__": f"s{i}", "jpg": _image(i),
                         "json": json.dumps({"label": i % CLASSES, "caption": "x" * 1000}).encode()})
-    sys.addaudithook(_count_opens)
-    _OPENS[:] = ["listening"]
+    if not _HOOKED:
+        sys.addaudithook(_count_opens)
+        _HOOKED.append(True)
+    _OPENS[:] = [("listening", None)]
     try:
         assert W.walk(shard, CLASSES) == (6, CLASSES - 1)
-        opened = [name for name in _OPENS[1:] if name == str(shard)]
+        opened = [mode for name, mode in _OPENS[1:] if name == str(shard)]
     finally:
         _OPENS.clear()
-    assert len(opened) == 2, opened   # plain_members' header walk, then the reader's one descriptor
+    assert opened == [None, None], opened   # plain_members' header walk, then the reader's one descriptor
 
 
 @pytest.mark.parametrize("kind, fragment", [("directory", "(Is a directory)"), ("fifo", "is empty (0 bytes)")])
