@@ -50,6 +50,22 @@ def test_ddp_two_workers_equals_one_process_same_global_batch(cli, tmp_path):
     assert init.optim.lr > 0
 
 
+def test_one_worker_trains_in_the_launching_process_unless_it_may_restart(cli, tmp_path):
+    """`--nproc-per-node 1` is the plain one-process run, in the same process (no agent, no second interpreter),
+    with the same parameters bit for bit; with --max-restarts the elastic agent starts the worker, as for N > 1."""
+    common = ["--set", "batch.global_batch=32", "--set", "train.max_steps=2", "--set", "train.threads=1", *TINY]
+    cli("train", "--run-dir", tmp_path / "plain", *common, check=True)
+    one = cli("train", "--nproc-per-node", "1", "--run-dir", tmp_path / "one", *common, check=True)
+    agent = cli("train", "--nproc-per-node", "1", "--max-restarts", "1", "--run-dir", tmp_path / "agent", *common,
+                check=True)
+    assert "starting 1 workers (torchrun" not in one.stderr and "starting 1 workers (torchrun" in agent.stderr
+    _, plain, _ = final_params(tmp_path / "plain")
+    for run in ("one", "agent"):
+        step, params, _ = final_params(tmp_path / run)
+        assert step == 2 and params.keys() == plain.keys()
+        assert all(torch.equal(params[k], plain[k]) for k in plain), run
+
+
 def test_resume_equals_uninterrupted(cli, tmp_path):
     """A 2-worker run stopped at step 3 and resumed to step 6 ends with the same parameters."""
     common = ["--nproc-per-node", "2", "--set", "batch.global_batch=64", "--set", "optim.name=lars", *TINY]
