@@ -8,8 +8,8 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
    warm-up from the unscaled lr); "lars" and "lamb" take the settings of OPTIMIZER_SETTINGS,
    which `--opt-set OPT:section.key=value` overrides.
 2. Check every cell's plan up front (`--dry-run` arithmetic), so an impossible batch fails at once.
-3. Run the cells one after another, each a `largebatch train` of its own (its own torchrun world,
-   run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
+3. Run the cells one after another, each a `largebatch train` of its own (one process, or with
+   --nproc-per-node 2 or more its own torchrun world; run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
    checkpoints resumes from them: an interrupted study continues where it stopped.
    `--claims-only` keeps only the cells the papers' claims read (`CLAIMS`): SGD at the smallest batch and
    each claim's optimizer at its batch; with `--from-tuning` it re-checks the claims for a fraction of the
