@@ -1,8 +1,10 @@
 """Starting workers: torch's elastic agent (torchrun), run in this process, with largebatch's exit codes.
 
 Every command that starts workers on this host builds the torchrun arguments with `local_workers` and runs
-them with `run_agent` (`largebatch train` and `evaluate` with --nproc-per-node, `bench allreduce`), or through `python -m largebatch.launch TORCHRUN_ARGS` where the
-agent must be its own process (`cluster run` starts one per namespaced host). What it adds to torchrun:
+them with `run_agent` (`largebatch train` with --nproc-per-node 2 or more or with restarts, `evaluate` with
+--nproc-per-node 2 or more, `bench allreduce`; one worker without restarts runs in the launching process), or
+through `python -m largebatch.launch TORCHRUN_ARGS` where the agent must be its own process (`cluster run`
+starts one per namespaced host). What it adds to torchrun:
 
 1. Exit codes: 2 when a worker exited 2 (it printed the user's one-sentence error; the peers that the
    agent stopped after it exit otherwise), 128 + N when the agent itself got signal N, else the workers'.

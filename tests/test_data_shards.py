@@ -355,8 +355,9 @@ def test_the_direct_header_walk_reads_what_tarfile_reads_or_steps_aside(packed, 
     index = json.loads((packed / "index.json").read_text())
     _webdataset_shard(tmp_path / "wds.tar")
     for original in (packed / index["splits"]["train"]["shards"][0]["name"], tmp_path / "wds.tar"):
-        assert [(m.name, m.offset_data, m.size, True, shards.read_plain(original, "", m))
-                for m in shards.plain_members(original)] == _tar_members(original)
+        with shards.PlainReader(original, "") as read:
+            assert [(m.name, m.offset_data, m.size, True, read(m))
+                    for m in shards.plain_members(original)] == _tar_members(original)
         rng, victim, data = random.Random(0), tmp_path / "shard.tar", original.read_bytes()
         fast = stepped_aside = 0
         for _ in range(800):
@@ -368,7 +369,8 @@ def test_the_direct_header_walk_reads_what_tarfile_reads_or_steps_aside(packed, 
                 stepped_aside += 1
                 continue
             fast += 1
-            assert [(m.name, m.offset_data, m.size, True, shards.read_plain(victim, "", m)) for m in got] == slow
+            with shards.PlainReader(victim, "") as read:
+                assert [(m.name, m.offset_data, m.size, True, read(m)) for m in got] == slow
         # both outcomes are reached often: the fields it ignores (uname, mtime's digits, ...) stay on the fast path
         assert fast >= 100 and stepped_aside >= 150, (original.name, fast, stepped_aside)
 

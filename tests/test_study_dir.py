@@ -51,10 +51,11 @@ def _until_its_cell_trains(study_proc: subprocess.Popen, out: Path) -> None:
 
 def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli, tmp_path):
     """A second study on the --out of a running one is refused naming its pid, touching nothing; SIGTERM to the
-    study stops its cell's launcher and worker (no orphans), records the cell as interrupted, exits 143; run again,
-    the study resumes that cell from its checkpoint instead of counting it failed."""
+    study stops its cell's launcher and its 2 workers (no orphans), records the cell as interrupted, exits 143; run
+    again, the study resumes that cell from its checkpoint instead of counting it failed. (The SIGKILL test below
+    has a cell of one process.)"""
     out = tmp_path / "study"
-    args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
+    args = ["study", "batch-scaling", *TINY, "--nproc-per-node", "2", "--epochs", "16", "--out", str(out)]   # 80 steps
     # 1 s per step: the cell is still training when the signal comes, however slow the second study's start-up
     # (with 8 slow steps, a loaded machine let the cell finish first)
     slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}
@@ -69,7 +70,7 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
                  "give another --out")
         assert (out / "study_settings.json").read_bytes() == settings and not (out / "study.json").exists()
         family = _descendants(first.pid)
-        assert len(family) >= 2   # the cell's launcher and its worker
+        assert len(family) >= 3   # the cell's launcher and its 2 workers
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=120)
     finally:
@@ -94,11 +95,12 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
 
 def test_a_signal_that_comes_as_a_cell_finishes_leaves_the_cell_done_not_failed(tmp_path):
     """SIGTERM to the study just after its cell wrote summary.json (the cell's launcher, still shutting down,
-    then exits 143): the cell is done, with its result, and nothing is called failed."""
+    then exits 143; 2 workers, so that there is a launcher): the cell is done, with its result, and nothing is
+    called failed."""
     out = tmp_path / "study"
     summary = out / "runs" / "sgd-b32-s0" / "summary.json"
-    study = subprocess.Popen([sys.executable, "-m", "largebatch", "study", "batch-scaling", *TINY, "--epochs", "2",
-                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    study = subprocess.Popen([sys.executable, "-m", "largebatch", "study", "batch-scaling", *TINY, "--nproc-per-node",
+                              "2", "--epochs", "2", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -120,9 +122,10 @@ def test_a_signal_that_comes_as_a_cell_finishes_leaves_the_cell_done_not_failed(
 
 
 def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_path):
-    """SIGKILL cannot be caught, so the study cannot forward it: its cell's launcher asked the kernel for SIGTERM
-    when the study dies (LARGEBATCH_STUDY_PID, PR_SET_PDEATHSIG), stops its worker with a checkpoint and exits;
-    no process of the cell outlives the study for long, and a new study resumes the cell."""
+    """SIGKILL cannot be caught, so the study cannot forward it: its cell (one process here: --nproc-per-node 1
+    trains in the cell's process; a launcher does the same and stops its workers) asked the kernel for SIGTERM
+    when the study dies (LARGEBATCH_STUDY_PID, PR_SET_PDEATHSIG), stops with a checkpoint and exits; no process
+    of the cell outlives the study for long, and a new study resumes the cell."""
     out = tmp_path / "study"
     args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
     slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}   # 1 s per step: ~80 s to go
@@ -133,13 +136,13 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
         _until_its_cell_trains(first, out)
         assert first.poll() is None
         family = _descendants(first.pid)
-        assert len(family) >= 2   # the cell's launcher and its worker
+        assert family   # the cell's process
         first.kill()
         first.wait(timeout=30)
         deadline = time.time() + 40   # far less than the cell's remaining training: it stopped, not finished
         while time.time() < deadline and any(map(_alive, family)):
             time.sleep(0.2)
-        assert not [p for p in family if _alive(p)], "the cell's launcher or worker outlived the SIGKILLed study"
+        assert not [p for p in family if _alive(p)], "the cell's process outlived the SIGKILLed study"
     finally:
         for pid in [p for p in family if _alive(p)]:
             with contextlib.suppress(ProcessLookupError):

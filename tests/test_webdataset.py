@@ -217,8 +217,42 @@ def test_a_member_with_a_negative_size_is_one_sentence_not_a_hang(published, tmp
     data[at + 148:at + 156] = b"%06o\0 " % sum(data[at:at + 512])
     shard.write_bytes(bytes(data))
     with pytest.raises(UserError, match=f"shard {shard} has a member {first.name} with a negative size \\({size}\\); "
-                                        "copy it again"):
+                                        "copy the shard again"):
         W.walk(shard, CLASSES)
+
+
+_OPENS: list[tuple[str, str | None]] = []   # (file, mode) opened while a test listens: sys.audit's "open" events
+_HOOKED: list[bool] = []                      # an audit hook stays for the process: install it once
+
+
+def _count_opens(event: str, args: tuple) -> None:
+    if event == "open" and _OPENS and isinstance(args[0], (str, Path)):
+        _OPENS.append((str(args[0]), args[1]))
+
+
+def test_the_start_up_walk_opens_a_shard_once_for_its_headers_and_once_for_large_labels(tmp_path):
+    """Labels longer than the bytes read with their header (a .json of 1 KB here) are read with pread on one
+    descriptor held for the shard's walk, not by opening the shard again for each sample. Both opens are
+    os.open's (mode None): the direct walk's, not tarfile's (which opens the shard in mode 'rb')."""
+    import sys
+
+    from largebatch.data import wds as W
+
+    shard = tmp_path / "train-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for i in range(6):
+            sink.write({"__key__": f"s{i}", "jpg": _image(i),
+                        "json": json.dumps({"label": i % CLASSES, "caption": "x" * 1000}).encode()})
+    if not _HOOKED:
+        sys.addaudithook(_count_opens)
+        _HOOKED.append(True)
+    _OPENS[:] = [("listening", None)]
+    try:
+        assert W.walk(shard, CLASSES) == (6, CLASSES - 1)
+        opened = [mode for name, mode in _OPENS[1:] if name == str(shard)]
+    finally:
+        _OPENS.clear()
+    assert opened == [None, None], opened   # plain_members' header walk, then the reader's one descriptor
 
 
 @pytest.mark.parametrize("kind, fragment", [("directory", "(Is a directory)"), ("fifo", "is empty (0 bytes)")])

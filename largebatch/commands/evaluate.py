@@ -27,7 +27,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--ensemble", action="store_true", help="evaluate every snapshot and their softmax average")
     p.add_argument("--swa", action="store_true", help="with --ensemble: also the weight average (BN recomputed)")
     p.add_argument("--checkpoint", type=Path, default=None, help="evaluate this checkpoint file instead of the newest")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="start N local workers through torchrun")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start N local workers through torchrun (1: evaluate in this process)")
     p.add_argument("--batch", type=int, default=512, help="evaluation images per forward pass per worker")
     return p
 
@@ -139,8 +140,8 @@ def main(argv: list[str]) -> int:
     if not args.run_dir.is_dir():
         what = "is a file, not a directory" if args.run_dir.exists() else "does not exist"
         raise UserError(f"run directory {args.run_dir} {what}; give the --run-dir of a training run.")
-    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
-        return _launch(args, argv)
+    if args.nproc_per_node not in (None, 1) and "LOCAL_RANK" not in os.environ:
+        return _launch(args, argv)   # one worker evaluates in this process, as without --nproc-per-node
     result = run(args.run_dir, use_ensemble=args.ensemble, swa=args.swa, checkpoint_path=args.checkpoint,
                  batch=args.batch)
     if os.environ.get("RANK", "0") == "0":

@@ -8,8 +8,8 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
    warm-up from the unscaled lr); "lars" and "lamb" take the settings of OPTIMIZER_SETTINGS,
    which `--opt-set OPT:section.key=value` overrides.
 2. Check every cell's plan up front (`--dry-run` arithmetic), so an impossible batch fails at once.
-3. Run the cells one after another, each a `largebatch train` of its own (its own torchrun world,
-   run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
+3. Run the cells one after another, each a `largebatch train` of its own (one process, or with
+   --nproc-per-node 2 or more its own torchrun world; run directory OUT/runs/OPT-bBATCH-sSEED). A cell with a summary.json is done; a cell with
    checkpoints resumes from them: an interrupted study continues where it stopped.
    `--claims-only` keeps only the cells the papers' claims read (`CLAIMS`): SGD at the smallest batch and
    each claim's optimizer at its batch; with `--from-tuning` it re-checks the claims for a fraction of the
@@ -22,7 +22,7 @@ The shape of Goyal et al.'s error-vs-minibatch figure and You et al.'s LARS tabl
    holds `fcntl.flock` on OUT/.largebatch.lock from its start to its end, and a second study on it is refused
    naming the holder. A study takes an empty or new directory, or one its study_settings.json marks as a study's;
    a directory that holds a training run or other files (a user's own study.md) is refused. SIGTERM and SIGINT
-   (`Stop`) are forwarded to the running cell's launcher and its workers (a process group of their own), which
+   (`Stop`) are forwarded to the running cell's processes (a process group of their own), which
    stop at the next step with a checkpoint; the study waits for them, records the cell as interrupted (not
    failed) and exits 128 + the signal; run again, it resumes that cell. A cell that the signal reaches after it
    wrote its summary is done, with its result.
@@ -686,7 +686,8 @@ def read_summary(path: Path) -> dict:
 
 class Stop:
     """Step 5: SIGTERM and SIGINT to the study set `signum` and are forwarded to the running cell's process group
-    (its launcher and workers, started in a session of their own), which stops at the next step with a checkpoint."""
+    (its launcher and workers, or its one process, started in a session of their own), which stops at the next
+    step with a checkpoint."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -769,7 +770,7 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
             elif status == "diverged":   # a result, not a failure: this lr is too large here
                 console.print(f"study: {label} diverged")
             elif status == "finished" and stop is not None and stop.signum is not None:
-                # the signal reached the cell after it wrote its summary (its launcher then exits 128 + signum)
+                # the signal reached the cell after it wrote its summary (its launcher may then exit 128 + signum)
                 console.print(f"study: {label} done in {time.perf_counter() - t0:.0f} s, before signal {stop.signum} "
                               "reached it")
             elif proc.returncode != 0:

@@ -4,6 +4,8 @@ One launch path: the program reads the torchrun environment, so
 `torchrun --nproc-per-node N -m largebatch train RECIPE` and
 `largebatch train RECIPE --nproc-per-node N` (which starts the same workers through
 torch's elastic launcher, rendezvous bound to loopback) run the same code.
+`--nproc-per-node 1` without restarts is the one process of a plain `largebatch train`: it
+trains in this process (an agent and a second interpreter would add only start-up time).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe key (repeatable), e.g. --set optim.lr=0.2")
     p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="start N local workers through torch's elastic launcher")
+                   help="start N local workers through torch's elastic launcher (1, without --max-restarts: train "
+                        "in this process)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: restart the worker group up to K times after a failure")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<recipe>-<time>)")
@@ -236,7 +239,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(plan))
         return 0
     if args.nproc_per_node is not None and not under_torchrun:
-        return launch(args, argv)
+        if args.nproc_per_node != 1 or args.max_restarts != 0:
+            return launch(args, argv)
 
     from largebatch.trainer import Trainer
 

@@ -42,7 +42,8 @@ Damaged shards (exactly once, or a sentence naming the shard):
 6. Start-up: ``check_index`` checks index.json's fields; ``check_split`` walks the tar
    headers of every shard of both splits (and reads each label's few bytes; no image is
    decoded; directly for the plain ustar layout ``data pack`` writes, through tarfile for
-   any other layout and for every damaged shard, so tarfile's reading decides): a file that is missing, empty or not an uncompressed tar, a member that is a
+   any other layout and for every damaged shard, so tarfile's reading decides): a file
+   that is missing, empty or not an uncompressed tar, a member that is a
    directory, a link, an absolute or ``..`` name or anything but ``<key>.jpg`` /
    ``<key>.cls``, a member that runs past the end of the file, an image without its label
    or a label without its image, a key twice or outside ``0..total-1``, a label that is
@@ -272,8 +273,6 @@ def _member_problem(member: tarfile.TarInfo, size: int) -> str | None:
         return f"has a directory member {name} (shards hold only files)"
     if not member.isreg():
         return f"has a member {name} that is not a regular file"
-    if member.size < 0:
-        return f"has a member {name} with a negative size ({member.size})"
     if member.name.startswith("/"):
         return f"has a member with an absolute name {name}"
     if ".." in member.name.split("/"):
@@ -296,6 +295,9 @@ def _members(tar: tarfile.TarFile, where: str, fix: str = _FIX) -> Iterator[tarf
             return
         except (tarfile.TarError, ValueError) as err:   # ValueError: a header's offsets beyond a file's
             raise UserError(f"shard {where} is damaged after {count} members ({err}); {fix}.") from None
+        if member.size < 0:   # base-256 size field: tarfile reads a header again (-512: forever) or fails to seek
+            raise UserError(f"shard {where} has a member {shown(member.name)} with a negative size "
+                            f"({member.size}); {fix}.")
         count += 1
         yield member
 
@@ -482,20 +484,36 @@ def _plain_walk(fd: int, size: int) -> list[PlainMember]:
     return members
 
 
-def read_plain(path: Path, where: str, member: PlainMember, fix: str = _FIX) -> bytes:
-    """A member's bytes by `pread` (those read with its header where they are all): `read_member` for
-    `plain_members`'s members, with its sentence when the file cannot be read or has changed."""
-    if member.size <= len(member.head):
-        return member.head[:member.size]
-    try:
-        with open(path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), member.size, member.offset_data)
-    except OSError as err:
-        raise UserError(f"shard {where}: cannot read member {shown(member.name)} ({err}); {fix}.") from None
-    if len(data) != member.size:
-        raise UserError(f"shard {where}: cannot read member {shown(member.name)} (the file ends after "
-                        f"{len(data)} of its {member.size} bytes); {fix}.")
-    return data
+class PlainReader:
+    """`read_member` for `plain_members`'s members of one shard: a member's bytes from those read with its header
+    where they are all there, else by `pread` on one descriptor, opened at the first such member and held to
+    the end of the `with` block; `read_member`'s sentence when the file cannot be read or has changed."""
+
+    def __init__(self, path: Path, where: str, fix: str = _FIX) -> None:
+        self.path, self.where, self.fix, self.fd = path, where, fix, -1
+
+    def __enter__(self) -> PlainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __call__(self, member: PlainMember) -> bytes:
+        if member.size <= len(member.head):
+            return member.head[:member.size]
+        try:
+            if self.fd < 0:
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO put there since must not block
+            data = os.pread(self.fd, member.size, member.offset_data)
+        except OSError as err:
+            raise UserError(f"shard {self.where}: cannot read member {shown(member.name)} ({err}); "
+                            f"{self.fix}.") from None
+        if len(data) != member.size:
+            raise UserError(f"shard {self.where}: cannot read member {shown(member.name)} (the file ends after "
+                            f"{len(data)} of its {member.size} bytes); {self.fix}.")
+        return data
 
 
 def _plain_keys(path: Path, num_classes: int) -> list[int]:

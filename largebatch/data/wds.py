@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from largebatch.cli import ArgumentParser
-from largebatch.data.shards import (INDEX, PlainMember, ShardSource, Unusual, _members, _open_shard, _ShardStream,
-                                    plain_members, read_member, read_plain)
-from largebatch.errors import UserError, shown
+from largebatch.data.shards import (INDEX, PlainMember, PlainReader, ShardSource, Unusual, _members, _open_shard,
+                                    _ShardStream, plain_members, read_member)
+from largebatch.errors import UserError, os_error_fix, shown
 
 WIDS_KIND = "wids-shard-index-v1"
 IMAGES = ("jpg", "jpeg", "png")
@@ -218,9 +218,6 @@ def samples_in(members: Iterable[Member], where: str, size: int) -> Iterator[tup
     key: str | None = None
     group: dict[str, Member] = {}
     for member in members:
-        if member.size < 0:   # tarfile would read its header again, and again
-            raise UserError(f"shard {where} has a member {shown(member.name)} with a negative size ({member.size}); "
-                            "copy it again.")
         if not member.isreg():
             continue
         base = member.name.rsplit("/", 1)[-1]
@@ -231,7 +228,7 @@ def samples_in(members: Iterable[Member], where: str, size: int) -> Iterator[tup
             continue
         if member.offset_data + member.size > size:
             raise UserError(f"shard {where} is truncated: member {shown(member.name)} needs "
-                            f"{member.offset_data + member.size} bytes, the file has {size}; copy it again.")
+                            f"{member.offset_data + member.size} bytes, the file has {size}; {_COPY}.")
         k, ext = match.group(1), match.group(2).lower()
         if k != key:
             if key is not None:
@@ -300,8 +297,12 @@ def walk(path: Path, num_classes: int | None) -> tuple[int, int]:
         with tar:
             return _count(samples_in(_members(tar, where, _COPY), where, size), where, num_classes,
                           lambda m: read_member(tar, where, m, fix=_COPY))
-    return _count(samples_in(members, where, path.stat().st_size), where, num_classes,
-                  lambda m: read_plain(path, where, m, fix=_COPY))
+    try:
+        size = path.stat().st_size
+    except OSError as err:   # gone since its headers were read
+        raise UserError(f"cannot read shard {where} ({err.strerror or err}); {os_error_fix(err)}.") from None
+    with PlainReader(path, where, _COPY) as read:
+        return _count(samples_in(members, where, size), where, num_classes, read)
 
 
 def _count(samples: Iterable[tuple[str, dict[str, Member]]], where: str, num_classes: int | None,
