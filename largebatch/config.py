@@ -280,8 +280,9 @@ class TrainConfig(Section):
                                  doc="torch.compile's mode; the last two capture CUDA graphs of their own, so "
                                      "train.cuda_graph stays off with them")
     cuda_graph: str = _choices("auto", "on", "off",
-                               doc="replay each training step as one CUDA graph (auto: on one CUDA process without "
-                                   "train.noise_scale, else eager with one line saying why; largebatch/graph.py)")
+                               doc="replay each training step as one CUDA graph (on: one CUDA process without "
+                                   "train.noise_scale; auto: eager until a GPU check has verified the graph, "
+                                   "saying so in one line on CUDA; largebatch/graph.py)")
     threads: Optional[int] = _doc(None, "intra-op threads per worker (default cores / local workers)")
     label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy", bounds="[0, 1)")
     log_every: int = _doc(50, "steps between metric lines (the only steps with host syncs)")

@@ -179,6 +179,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def configure_backends(device: torch.device, deterministic: bool) -> None:
+    """On CUDA, cuDNN benchmarks its convolution algorithms for each new shape and keeps the fastest
+    (`torch.backends.cudnn.benchmark`; the first step of a shape pays for it), unless the run asks for
+    deterministic algorithms. Nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not deterministic
+
+
 def set_threads(threads: int | None, local_world_size: int) -> int:
     """Intra-op threads per worker: cores / local workers unless given (no oversubscription)."""
     if threads is None:

@@ -1,37 +1,54 @@
 """The training step as one CUDA graph (`train.cuda_graph`): forward and backward of every micro-batch, unscale,
 the finiteness verdict, the optimizer step, the loss scale's update, the EMA and the skipped-step counters,
-captured once and replayed each step with no Python and no host sync in between (torch.cuda.CUDAGraph, as in
-torch's "whole network capture" recipe and MLPerf's ResNet-50).
+captured once per batch shape and replayed each step with no Python and no host sync in between
+(torch.cuda.CUDAGraph, as in torch's "whole network capture" recipe and MLPerf's ResNet-50).
 
 1. Where it applies (`plan`): one CUDA process, without the gradient noise scale. It does not apply on CPU,
    across processes (DDP's reducer runs Python between its collectives during the backward; capture across
    processes is not built yet), with `train.noise_scale` (its measuring steps read norms on the host) or
    with a torch.compile mode that captures CUDA graphs of its own (reduce-overhead, max-autotune). With
-   torch.compile's default or max-autotune-no-cudagraphs mode the compiled forward and backward (Triton
-   and library kernels) are captured inside this graph.
-   There `auto` trains eagerly, saying so in one line when on CUDA, and `on` is refused with one sentence.
-2. A step's *shape* is everything the capture bakes in: each micro-batch's shape, dtype and strides, the
-   resolution, the per-worker batch (the loss divisor) and every group's weight decay (the Collapsed
-   Ensemble raises it inside a collapse). A new shape (a batch phase, a resolution phase, a collapse) first
-   runs `WARMUP` eager steps on a side stream (lazy state, cuDNN's choices, torch.compile's compilation),
-   then its graph is captured and replayed; the previous graph is released.
-3. Capture records and runs nothing, so the capturing step is replayed right after. A replay copies the
+   torch.compile's default or max-autotune-no-cudagraphs mode the compiled forward and backward are captured
+   inside this graph. There `on` is refused with one sentence. `auto` trains eagerly until a GPU check has
+   verified the graph (`AUTO_ON_CUDA`, docs/gpu.md), saying so in one line on CUDA with how to turn it on.
+2. A step's *shape* is everything a capture bakes in: each micro-batch's shape, dtype and strides (the
+   batch key), and the resolution, the per-worker batch (the loss divisor) and every group's weight decay
+   (the phase key; the Collapsed Ensemble raises the decay inside a collapse). Each batch key gets its own
+   graph, kept while the phase lasts, so a short batch seen before is replayed, not captured again. A new
+   batch key first runs `WARMUP` eager steps (lazy state, cuDNN's benchmark choices, torch.compile's
+   compilation); then its graph is captured and replayed.
+3. Warm-up and capture run on one side stream (`self.side`) and capture uses `capture_error_mode=
+   "thread_local"`: the loaders' pin-memory threads may call CUDA while a capture is under way, which the
+   default "global" mode turns into an invalidated capture. Replays run on the current stream.
+4. Memory: every graph of a phase captures into one pool (`graph_pool_handle`), shared only while those
+   graphs are alive. Nothing that outlives a replay lives in the pool: the gradients, optimizer and EMA
+   state, lrs, loss scale and counters exist before the first capture (the warm-up made them; the step
+   zeroes the gradients in place, never sets them to None), and each graph's loss is copied into a tensor
+   allocated outside it. So graphs sharing the pool may be replayed in any order. At a phase change the
+   stream is synchronised, every graph is reset explicitly, and the next capture takes a new pool.
+5. Capture records and runs nothing, so the capturing step is replayed right after. A replay copies the
    step's batches into the graph's static inputs (device to device), sets the lrs (filled 0-dim tensors,
    largebatch/step.py `set_lr`) and the fault knob's poison scalar, and replays; the loss sum it returns is
-   the graph's static output, read by the caller before the next replay.
-4. The gradients live in the graph's memory pool: they are set to None before capture, so that the captured
-   backward allocates them there, and never set to None again while the graph is in use.
+   the graph's loss tensor, which the caller adds up before the next replay.
+6. A capture that fails stops the run with one sentence naming the first error and `train.cuda_graph=off`:
+   a failed capture can leave GradScaler between its unscale and update, and torch's allocator in a state
+   that later captures trip over, so training does not go on in that process.
+
+The CUDA calls go through `cuda` (torch.cuda by default), so tests/fake_cuda.py can stand in for it on CPU.
 """
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from largebatch.errors import UserError
 
-WARMUP = 3   # eager steps of each new shape before its capture (torch's recipe for one process)
+WARMUP = 3   # eager steps of each new batch shape before its capture (torch's recipe for one process)
 
+# Whether `train.cuda_graph: auto` uses the graph on one CUDA process. Off until a GPU check has run the graph
+# tests and docs/gpu.md records them passing; turning it on is this one line, with that evidence in its commit.
+AUTO_ON_CUDA = False
 
 GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes with CUDA graphs of their own
 
@@ -55,84 +72,116 @@ def plan(choice: str, device: torch.device, world_size: int, noise_scale: bool, 
         if choice == "on":
             raise UserError(f"train.cuda_graph is on but {reason}; set train.cuda_graph to auto or off.")
         return False, reason if device.type == "cuda" else None
+    if choice == "auto" and not AUTO_ON_CUDA:
+        return False, ("train.cuda_graph auto trains eagerly until a GPU check has verified the graph "
+                       "(docs/gpu.md); set train.cuda_graph=on to replay each step as one CUDA graph")
     return True, None
 
 
+@dataclass
+class _Captured:
+    """One batch shape's graph, its static inputs and its loss (both allocated outside the graph's pool)."""
+    graph: Any
+    static_in: list[tuple[torch.Tensor, torch.Tensor]]
+    loss: torch.Tensor
+
+
 class GraphedStep:
-    """Steps 2-4 over a `step.TrainStep`: call it as the TrainStep calls its body."""
+    """Steps 2-6 over a `step.TrainStep`: call it as the TrainStep calls its body. `cuda` is torch.cuda, or a
+    stand-in with its graph, stream, pool and synchronize calls (tests/fake_cuda.py)."""
 
-    def __init__(self, train_step, *, strict: bool) -> None:
-        self.ts, self.strict = train_step, strict
+    def __init__(self, train_step, *, cuda: Any = None, warmup: int = WARMUP) -> None:
+        self.ts = train_step
+        self.cuda = cuda if cuda is not None else torch.cuda
         self.device = train_step.device
-        self.pool = torch.cuda.graph_pool_handle()
-        self.side = torch.cuda.Stream(self.device)
-        self.key: tuple | None = None
-        self.seen = 0                       # eager steps run at the current key
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_in: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.static_loss: torch.Tensor | None = None
+        self.warmup = warmup
+        self.side = self.cuda.Stream(self.device)   # warm-up and capture (step 3)
+        self.pool: Any = None                       # the pool of the current phase's graphs (step 4)
+        self.phase_key: tuple | None = None
+        self.graphs: dict[tuple, _Captured] = {}    # batch key -> its graph, for the current phase
+        self.seen: dict[tuple, int] = {}            # eager steps run per batch key in the current phase
         self.poison = torch.ones((), device=self.device)
-        self.captures = 0                   # how many graphs were captured (tests, the log)
+        self.captures = 0                           # graphs captured (tests, the log)
+        self.released = 0                           # graphs reset at phase changes
 
-    def shape(self, micros, phase, size) -> tuple:
-        """Step 2: what a capture bakes in."""
+    def shape(self, micros, phase, size) -> tuple[tuple, tuple]:
+        """Step 2: (batch key, phase key): what a capture bakes in."""
         batches = tuple((tuple(x.shape), x.dtype, x.stride(), tuple(y.shape), y.dtype) for x, y in micros)
         decays = tuple(g["weight_decay"] for g in self.ts.optimizer.param_groups)
-        return batches, size, phase.per_worker_batch, decays
+        return batches, (size, phase.per_worker_batch, decays)
 
     def __call__(self, step: int, micros, phase, size) -> torch.Tensor:
         micros = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micros]
         poisoned = self.ts.faults.poison(step)
-        key = self.shape(micros, phase, size)
-        if key != self.key:
-            self.key, self.seen, self.graph, self.static_in, self.static_loss = key, 0, None, [], None
-        if self.graph is None and self.seen < WARMUP:
-            self.seen += 1
-            return self._eager(step, micros, phase, size, poisoned)
-        if self.graph is None:
-            try:
-                self._capture(step, micros, phase, size)
-            except Exception as e:   # an op that cannot be captured: say so once, and train eagerly
-                if self.strict:
-                    raise
-                print(f"largebatch: CUDA graph capture failed ({type(e).__name__}: {e}); training continues "
-                      "without it (train.cuda_graph=off hides this line).", file=sys.stderr, flush=True)
-                self.ts.graph = None
-                self.ts.optimizer.zero_grad(set_to_none=True)
-                return self.ts.body(step, micros, phase, size, poisoned)
-        return self._replay(micros, poisoned)
+        batch_key, phase_key = self.shape(micros, phase, size)
+        if phase_key != self.phase_key:
+            self.release()
+            self.phase_key = phase_key
+        captured = self.graphs.get(batch_key)
+        if captured is None:
+            if self.seen.get(batch_key, 0) < self.warmup:
+                self.seen[batch_key] = self.seen.get(batch_key, 0) + 1
+                return self._eager(step, micros, phase, size, poisoned)
+            captured = self._capture(step, micros, phase, size)
+            self.graphs[batch_key] = captured
+        return self._replay(captured, micros, poisoned)
+
+    def release(self) -> None:
+        """Step 4 at a phase change: wait for the last replay, reset every graph, forget the pool."""
+        if self.graphs:
+            self.cuda.synchronize(self.device)
+            for captured in self.graphs.values():
+                captured.graph.reset()
+                self.released += 1
+        self.graphs, self.seen, self.pool = {}, {}, None
+
+    def _zero_grads(self) -> None:
+        """Gradients zeroed in place: their memory stays where the graphs read and write it (step 4)."""
+        self.ts.optimizer.zero_grad(set_to_none=False)
 
     def _eager(self, step, micros, phase, size, poisoned) -> torch.Tensor:
-        """A warm-up step, on a side stream as torch's recipe has it."""
-        current = torch.cuda.current_stream(self.device)
+        """A warm-up step, on the side stream as torch's recipe has it."""
+        current = self.cuda.current_stream(self.device)
         self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
+        with self.cuda.stream(self.side):
             for x, y in micros:
-                x.record_stream(self.side)
-                y.record_stream(self.side)
-            self.ts.optimizer.zero_grad(set_to_none=True)
+                if x.is_cuda:   # made on the current stream, read on the side stream
+                    x.record_stream(self.side)
+                    y.record_stream(self.side)
+            self._zero_grads()
             loss = self.ts.body(step, micros, phase, size, poisoned)
         current.wait_stream(self.side)
-        loss.record_stream(current)
+        if loss.is_cuda:
+            loss.record_stream(current)
         return loss
 
-    def _capture(self, step, micros, phase, size) -> None:
-        """Step 3's capture; step 4's gradients."""
-        self.static_in = [(torch.empty_like(x), torch.empty_like(y)) for x, y in micros]
-        self.ts.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.static_loss = self.ts.body(step, self.static_in, phase, size, self.poison)
-        self.graph = graph
+    def _capture(self, step, micros, phase, size) -> _Captured:
+        """Step 5's capture, on the warm-up's stream into the phase's pool; step 6 when it fails."""
+        static_in = [(x.clone(), y.clone()) for x, y in micros]   # valid labels even where capture runs ops
+        loss_out = torch.zeros((), device=self.device)
+        if self.pool is None:
+            self.pool = self.cuda.graph_pool_handle()
+        self.cuda.synchronize(self.device)
+        graph = self.cuda.CUDAGraph()
+        try:
+            with self.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
+                self._zero_grads()
+                loss_out.copy_(self.ts.body(step, static_in, phase, size, self.poison))
+        except Exception as err:   # noqa: BLE001 - any failure is reported the same way
+            first: BaseException = err
+            while first.__context__ is not None:   # the capture's own error, under what __exit__ raised after it
+                first = first.__context__
+            what = (str(first).strip().splitlines() or [""])[0][:300]
+            raise UserError(f"capturing the training step as a CUDA graph failed at step {step} "
+                            f"({type(first).__name__}: {what}); set train.cuda_graph=off to train without it.") from err
         self.captures += 1
+        return _Captured(graph, static_in, loss_out)
 
-    def _replay(self, micros, poisoned: bool) -> torch.Tensor:
-        """Step 3's replay."""
-        assert self.graph is not None and self.static_loss is not None
-        for (sx, sy), (x, y) in zip(self.static_in, micros):
+    def _replay(self, captured: _Captured, micros, poisoned: bool) -> torch.Tensor:
+        """Step 5's replay."""
+        for (sx, sy), (x, y) in zip(captured.static_in, micros):
             sx.copy_(x, non_blocking=True)
             sy.copy_(y, non_blocking=True)
         self.poison.fill_(float("nan") if poisoned else 1.0)
-        self.graph.replay()
-        return self.static_loss
+        captured.graph.replay()
+        return captured.loss

@@ -71,6 +71,7 @@ class Trainer:
         self.main = self.info.is_main
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        dist_mod.configure_backends(self.device, t.deterministic)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         # reliability (largebatch/reliability.py): control store, watchdog, stop agreement, fault knob
@@ -137,7 +138,7 @@ class Trainer:
             precision=t.precision, channels_last=self.channels_last, label_smoothing=t.label_smoothing,
             log_every=t.log_every, max_nonfinite=t.max_nonfinite, progress=self.progress)
         if use_graph:
-            self.train_step.graph = graph.GraphedStep(self.train_step, strict=t.cuda_graph == "on")
+            self.train_step.graph = graph.GraphedStep(self.train_step)
         elif why_not and self.main:
             print(f"largebatch: training without a CUDA graph: {why_not}.", file=sys.stderr, flush=True)
 

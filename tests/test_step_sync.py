@@ -226,10 +226,10 @@ def test_where_a_cuda_graph_applies_and_the_sentences_where_it_does_not():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert graph.plan("auto", cpu, 1, False) == (False, None)   # nothing to say on CPU
     assert graph.plan("off", cuda, 4, True) == (False, None)
-    assert graph.plan("auto", cuda, 1, False) == (True, None)
+    assert graph.plan("on", cuda, 1, False) == (True, None)   # auto: tests/test_graph_harness.py
     assert graph.plan("auto", cuda, 2, False) == (False, "capture across processes (DDP) is not supported yet")
     assert graph.plan("auto", cuda, 1, True)[1].startswith("train.noise_scale")
-    assert graph.plan("auto", cuda, 1, False, "max-autotune-no-cudagraphs") == (True, None)   # captured inside
+    assert graph.plan("on", cuda, 1, False, "max-autotune-no-cudagraphs") == (True, None)   # captured inside
     assert graph.plan("auto", cuda, 1, False, "reduce-overhead") == (
         False, "torch.compile's mode reduce-overhead captures CUDA graphs of its own")
     with pytest.raises(UserError, match="train.compile_mode is reduce-overhead but train.compile is false"):

@@ -53,11 +53,17 @@ class LAMB(Optimizer):
     static_lr_dtype = torch.float64     # a CUDA graph's lr tensor (step.set_lr): the precision of a Python float
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's; a checkpoint that kept t as a Python int (older largebatch) gets it as a tensor."""
+        """As torch's, then t goes to its parameter's device as float64: torch moves every other state tensor
+        there but keeps "step" where the checkpoint was loaded (the CPU, as checkpoints are mapped) for
+        optimizers that are not "capturable", and a CPU t would then meet CUDA tensors in `step` (a host
+        scalar each step; a value frozen at capture in a CUDA graph). A t kept as a Python int (older
+        largebatch) becomes a tensor too."""
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
-            if "step" in state and not isinstance(state["step"], Tensor):
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float64, device=p.device)
+            if "step" in state:
+                t = state["step"]
+                t = t if isinstance(t, Tensor) else torch.tensor(float(t), dtype=torch.float64)
+                state["step"] = t.to(device=p.device, dtype=torch.float64)
 
     @torch.no_grad()   # ignore: torch types the closure as returning a float; ours returns the loss tensor
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]

@@ -314,7 +314,7 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")   # fp32 = TF32 on tensor cores, for every entry alike
-        torch.backends.cudnn.benchmark = True
+    dist_mod.configure_backends(device, deterministic=False)   # cuDNN's benchmark, as `train` has it
     threads = dist_mod.set_threads(args.threads, 1)
     # 1. Peaks.
     sizes = {dtype: fitting_size(dtype, args.peak_size, 0.5) if device.type == "cpu" else args.peak_size
