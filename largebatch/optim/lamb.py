@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from largebatch.optim.skip import device_scalar, ok_flag, zero_bad_grads_
+from largebatch.optim.skip import Spread, device_scalar, ok_flag, zero_bad_grads_
 
 
 class LAMB(Optimizer):
@@ -48,6 +48,7 @@ class LAMB(Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, lars_exclude=False)
         super().__init__(params, defaults)
+        self._spread = Spread()   # device scalars as multi-tensor operands (buffers on CUDA, not state)
 
     _step_supports_amp_scaling = True   # GradScaler hands its found_inf over instead of reading it on the host
     static_lr_dtype = torch.float64     # a CUDA graph's lr tensor (step.set_lr): the precision of a Python float
@@ -71,7 +72,7 @@ class LAMB(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             params, grads, ms, vs, ts = [], [], [], [], []
             for p in group["params"]:
@@ -105,43 +106,51 @@ class LAMB(Optimizer):
                 bc1, bc2 = 1.0 / (1.0 - torch.pow(beta1, t)), torch.rsqrt(1.0 - torch.pow(beta2, t))
             else:
                 bc1 = bc2 = torch.ones_like(t)
-            bc1s, bc2s = bc1.unbind(0), bc2.unbind(0)
             buckets = self._group_tensors_by_device_and_dtype([params, grads, ms, vs], with_indices=True)
-            for tensors, idx in buckets.values():   # typed as lists of optional tensors; these hold none
+            for bucket, (tensors, idx) in buckets.items():   # typed as lists of optional tensors; these hold none
                 ps, gs, ms_, vs_ = (cast(list[Tensor], ts) for ts in tensors)
-                _lamb_update(ps, gs, ms_, vs_, [bc1s[j] for j in idx], [bc2s[j] for j in idx], ok=ok, lr=lr, beta1=beta1, beta2=beta2,
-                             eps=group["eps"], weight_decay=group["weight_decay"], exclude=group["lars_exclude"])
+                dtype = ps[0].dtype
+                if len(buckets) == 1:   # one conversion of each vector, not one per tensor
+                    bc1s, bc2s = list(bc1.to(dtype).unbind(0)), list(bc2.to(dtype).unbind(0))
+                else:
+                    bc1s, bc2s = [bc1[j].to(dtype) for j in idx], [bc2[j].to(dtype) for j in idx]
+                _lamb_update(ps, gs, ms_, vs_, bc1s, bc2s, ok=ok, lr=lr, beta1=beta1, beta2=beta2,
+                             eps=group["eps"], weight_decay=group["weight_decay"], exclude=group["lars_exclude"],
+                             spread=lambda name, like, value, b=bucket, i=i: self._spread((i, b, name), like, value))
         return loss
 
 
 def _lamb_update(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], bc1: list[Tensor],
                  bc2: list[Tensor], *,
                  ok: Optional[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 exclude: bool) -> None:
+                 exclude: bool, spread: Callable[[str, list[Tensor], Tensor], list[Tensor]]) -> None:
     """Steps 1-5 for tensors of one device and dtype; one temporary list (u). On a skipped step (ok 0,
-    gradients cleared) the moments are kept by coefficients 1 and 0 and the weights by a zero lr."""
-    dtype, n = ps[0].dtype, len(ps)
+    gradients cleared) the moments are kept by coefficients 1 and 0 and the weights by a zero lr. A scalar shared
+    by every tensor is `spread` (largebatch.optim.skip.Spread: one multi-tensor kernel on CUDA); the per-tensor
+    bias corrections and trust ratios take one kernel per tensor (torch has no multi-tensor form for a list of
+    device scalars)."""
+    dtype = ps[0].dtype
     # 1. Moments: m = m + (1 - beta1) (g - m), v = beta2 v + (1 - beta2) g^2; kept when skipped (the
     # cleared gradient adds nothing to v).
     if ok is None:
         torch._foreach_lerp_(ms, gs, 1.0 - beta1)
         torch._foreach_mul_(vs, beta2)
     else:
-        torch._foreach_lerp_(ms, gs, [(ok * (1.0 - beta1)).to(dtype)] * n)
+        torch._foreach_lerp_(ms, gs, spread("beta1", ms, ok * (1.0 - beta1)))
         torch._foreach_mul_(vs, torch.where(ok > 0, torch.full_like(ok, beta2), torch.ones_like(ok)).to(dtype))
         lr = lr * ok
     torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
     # 2.-3. u = (m * bc1) / (sqrt(v) * bc2 + eps) + lambda * w, built in place in one new list.
     u = torch._foreach_sqrt(vs)
-    torch._foreach_mul_(u, [b.to(dtype) for b in bc2])
+    torch._foreach_mul_(u, bc2)
     torch._foreach_add_(u, eps)
     torch._foreach_reciprocal_(u)
     torch._foreach_mul_(u, ms)
-    torch._foreach_mul_(u, [b.to(dtype) for b in bc1])
+    torch._foreach_mul_(u, bc1)
     lr_ = lr.to(dtype)
     if exclude:
         # Adam update: no weight decay, no trust ratio.
-        torch._foreach_addcmul_(ps, u, [-lr_] * n)
+        torch._foreach_addcmul_(ps, u, spread("neg_lr", ps, -lr_))
         return
     if weight_decay != 0:
         torch._foreach_add_(u, ps, alpha=weight_decay)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from largebatch.optim.skip import device_scalar, ok_flag, zero_bad_grads_
+from largebatch.optim.skip import Spread, device_scalar, ok_flag, zero_bad_grads_
 
 
 class LARS(Optimizer):
@@ -61,6 +61,7 @@ class LARS(Optimizer):
                         eps=eps, nesterov=nesterov, lars_exclude=False)
         super().__init__(params, defaults)
         self._prev_lr: dict[int, Tensor] = {}   # group index -> lr_old on the device (float64)
+        self._spread = Spread()   # device scalars as multi-tensor operands (buffers on CUDA, not state)
 
     def state_dict(self) -> dict:
         """As torch's, with each group's lr_old as the float "prev_lr" (a host read: checkpoints only)."""
@@ -112,9 +113,10 @@ class LARS(Optimizer):
             else:
                 prev.copy_(lr)
             buckets = self._group_tensors_by_device_and_dtype([params, grads, bufs])
-            for tensors, _ in buckets.values():   # typed as lists of optional tensors; these hold none
+            for bucket, (tensors, _) in buckets.items():   # typed as lists of optional tensors; these hold none
                 ps, gs, vs = (cast(list[Tensor], ts) for ts in tensors)
                 _lars_update(ps, gs, vs, lr=lr, factor=factor, ok=ok, momentum=group["momentum"],
+                             spread=lambda name, like, value, b=bucket, i=i: self._spread((i, b, name), like, value),
                              weight_decay=group["weight_decay"], eta=group["trust_coefficient"], eps=group["eps"],
                              nesterov=group["nesterov"], exclude=group["lars_exclude"])
         return loss
@@ -122,19 +124,22 @@ class LARS(Optimizer):
 
 def _lars_update(ps: list[Tensor], gs: list[Tensor], vs: list[Tensor], *, lr: Tensor, factor: Tensor,
                  ok: Optional[Tensor], momentum: float, weight_decay: float, eta: float, eps: float, nesterov: bool,
-                 exclude: bool) -> None:
+                 exclude: bool, spread: Callable[[str, list[Tensor], Tensor], list[Tensor]]) -> None:
     """Steps 2-5 for tensors of one device and dtype, in place: no temporary copy of the model.
 
     With s = gamma * lambda the update is expanded so that every kernel works in place
     (an out-of-place temporary of 100 MB costs more in page faults than the arithmetic on CPU):
     v = (m c) v + s g + (s beta) w;  w -= v, or with Nesterov w = (1 - s beta) w - s g - m v.
     `lr` is 0 and `factor` 1 on a skipped step (gradients cleared), so v keeps its value; w then moves by
-    ok * v (ok * m * v with Nesterov).
+    ok * v (ok * m * v with Nesterov). A scalar shared by every tensor is `spread` (largebatch.optim.skip.Spread),
+    so that its op stays one multi-tensor kernel on CUDA; the per-tensor s of step 3 takes one kernel per tensor
+    (torch has no multi-tensor form for a list of device scalars).
     """
     wd, dtype, n = weight_decay, ps[0].dtype, len(ps)
     lr_ = lr.to(dtype)
     if exclude:
         s_vec = lr_.expand(n)
+        s = spread("lr", gs, lr_)
     else:
         # 2. Per-tensor norms, stacked into one vector each.
         w_norm = torch.stack(torch._foreach_norm(ps))
@@ -142,7 +147,7 @@ def _lars_update(ps: list[Tensor], gs: list[Tensor], vs: list[Tensor], *, lr: Te
         # 3. lambda, 1 where either norm is 0; all on device. s = gamma * lambda per tensor.
         trust = eta * w_norm / (g_norm + wd * w_norm + eps)
         s_vec = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust)) * lr_
-    s = list(s_vec.unbind(0))
+        s = list(s_vec.unbind(0))
     # 4. v = (m c) v + s g + (s beta) w.
     torch._foreach_mul_(vs, factor.to(dtype))
     torch._foreach_addcmul_(vs, gs, s)
@@ -153,12 +158,12 @@ def _lars_update(ps: list[Tensor], gs: list[Tensor], vs: list[Tensor], *, lr: Te
     if nesterov:
         if wd != 0:
             torch._foreach_mul_(ps, list((1.0 - s_vec * wd).unbind(0)))
-        torch._foreach_addcmul_(ps, gs, list((-s_vec).unbind(0)))
+        torch._foreach_addcmul_(ps, gs, spread("neg_lr", gs, -lr_) if exclude else list((-s_vec).unbind(0)))
         if ok_ is None:
             torch._foreach_add_(ps, vs, alpha=-momentum)
         else:
-            torch._foreach_addcmul_(ps, vs, [ok_ * -momentum] * n)
+            torch._foreach_addcmul_(ps, vs, spread("step", ps, ok_ * -momentum))
     elif ok_ is None:
         torch._foreach_sub_(ps, vs)
     else:
-        torch._foreach_addcmul_(ps, vs, [-ok_] * n)
+        torch._foreach_addcmul_(ps, vs, spread("step", ps, -ok_))

@@ -13,7 +13,7 @@ that a CUDA graph can hold).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Hashable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -48,3 +48,32 @@ def zero_bad_grads_(grads: list[Tensor], ok: Optional[Tensor]) -> None:
     for size, gs in by_size.items():
         dtype = _INT_OF[size]
         torch._foreach_mul_([g.view(dtype) for g in gs], ok.to(dtype))
+
+
+# Devices where a device scalar is spread into dense buffers for multi-tensor ops (`Spread`): on CUDA a kernel
+# launch costs more than a pass over the buffer; on the CPU there is no multi-tensor kernel to keep.
+DENSE_DEVICES = {"cuda"}
+
+
+class Spread:
+    """A 0-dim device scalar as the operand of a multi-tensor (`torch._foreach_*`) op without leaving torch's
+    multi-tensor kernel. That kernel (the "fast route") needs every list to hold tensors of equal sizes and
+    strides index by index; a list of 0-dim tensors sends the op to one kernel per tensor (torch has no form
+    taking one device scalar for lerp or addcmul; only `_foreach_mul_`, `_foreach_add_` and `_foreach_div_`
+    take one). So on `DENSE_DEVICES` the scalar is written into buffers shaped like the list (two multi-tensor
+    kernels), kept from step to step (made at the first step, before a CUDA graph's capture); elsewhere the
+    list of 0-dim tensors is returned. Both give the same numbers: every element sees the same scalar."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[Hashable, list[Tensor]] = {}
+
+    def __call__(self, key: Hashable, like: list[Tensor], value: Tensor) -> list[Tensor]:
+        value = value.to(like[0].dtype)
+        if like[0].device.type not in DENSE_DEVICES:
+            return [value] * len(like)
+        bufs = self.buffers.get(key)
+        if bufs is None or len(bufs) != len(like):
+            bufs = self.buffers[key] = [torch.empty_like(t) for t in like]
+        torch._foreach_zero_(bufs)
+        torch._foreach_add_(bufs, value)
+        return bufs
