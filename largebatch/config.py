@@ -142,6 +142,8 @@ class DataConfig(Section):
                      "a directory of shards or a brace pattern of the training shards (train-{000000..001023}.tar)")
     val_root: Optional[str] = _doc(None, "webdataset: the evaluation shards, a directory or brace pattern (null: the "
                                          "shards named *val* in data.root's directory, or its val/ folder)")
+    val_labels: Optional[str] = _doc(None, "imagefolder: the label file of a flat val/ folder (ImageNet's layout; "
+                                           "null: LOC_val_solution.csv in data.root or up to 3 folders above)")
     image_size: int = _doc(28, "training crop size in pixels (evaluation resizes to size/0.875 then centre-crops for ImageFolder)")
     augment: bool = _doc(True, "random crop + horizontal flip for training (off during a collapse phase)")
     crop_padding: int = _doc(2, "padding of the random crop for in-memory small images")
@@ -186,6 +188,9 @@ class DataConfig(Section):
         if self.decode == "gpu" and self.dataset != "imagefolder":
             raise UserError(f"data.decode gpu decodes JPEG folders (data.dataset imagefolder), not {self.dataset}; "
                             "set data.decode to cpu or auto.")
+        if self.val_labels is not None and self.dataset != "imagefolder":
+            raise UserError(f"data.val_labels labels a flat ImageFolder val/ and data.dataset is {self.dataset}; "
+                            "remove data.val_labels or set data.dataset to imagefolder.")
         if self.val_root is not None and self.dataset != "webdataset":
             raise UserError(f"data.val_root names webdataset evaluation shards and data.dataset is {self.dataset}; "
                             "remove data.val_root or set data.dataset to webdataset.")

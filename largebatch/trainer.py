@@ -26,6 +26,7 @@ from largebatch import checkpoint, dist as dist_mod, ensemble, graph, metrics as
 from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
+from largebatch.data.info import check_classes
 from largebatch.errors import UserError
 from largebatch.layout import prefetch, use_channels_last
 from largebatch.models.classifier import build_classifier
@@ -161,6 +162,8 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         if self.resume_changes:
             self._record_resume(found)
+        if self.main:   # labels by class name: written at the start, compared on a resume (and by evaluate)
+            check_classes(self.run_dir, self.data_info.classes, write=True)
 
     # ------------------------------------------------------------------ what a resume changes
     def _say(self, line: str) -> None:
@@ -399,6 +402,7 @@ class Trainer:
             global_batch=self.plan.phase_at(self.step - 1).global_batch, corrupt_images=len(corrupt),
             precision=self.cfg.train.precision, threads=self.threads, ensemble=ensemble_rec,
             machine=metrics_mod.machine(self.device))
+        summary.update(train_images=len(self.train_data), val_images=len(self.test_data))   # what the sources read
         if self.main:
             metrics_mod.write_outputs(self.run_dir, summary, corrupt, plots=self.cfg.train.plots,
                                       tensorboard=self.cfg.train.tensorboard)

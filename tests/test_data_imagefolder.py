@@ -108,10 +108,10 @@ def test_missing_or_empty_splits(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         build_data(_cfg(tmp_path / "nope"), seed=0)
     (tmp_path / "train").mkdir()
-    with pytest.raises(UserError, match="train has no JPEG"):
+    with pytest.raises(UserError, match="train has no images"):
         build_data(_cfg(tmp_path), seed=0)
     (tmp_path / "train" / "a").mkdir()
-    with pytest.raises(UserError, match=r"class folder .*train/a has no JPEG files"):   # an empty class
+    with pytest.raises(UserError, match=r"class folder .*train/a has no images"):   # an empty class
         build_data(_cfg(tmp_path), seed=0)
     _jpeg(tmp_path / "train" / "a" / "0.jpg", np.zeros((8, 8, 3), np.uint8))
     with pytest.raises(UserError, match=r"has 1 class folder\(s\); a classifier needs 2 or more"):
@@ -121,5 +121,5 @@ def test_missing_or_empty_splits(tmp_path):
     with pytest.raises(UserError, match="val is missing"):
         build_data(_cfg(tmp_path), seed=0)
     (tmp_path / "val" / "a").mkdir(parents=True)
-    with pytest.raises(UserError, match="val has no JPEG"):
+    with pytest.raises(UserError, match="val has no images"):
         build_data(_cfg(tmp_path), seed=0)

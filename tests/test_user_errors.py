@@ -263,7 +263,7 @@ def test_imagefolder_classes_and_all_corrupt_images(main, tmp_path):
             "--set", "train.plots=false", "--quiet"]
     _expect(main("train", *args, "--dry-run"), "has 1 class folder(s)")
     (root / "train" / "b").mkdir()
-    _expect(main("train", *args, "--dry-run"), "train/b has no JPEG files")
+    _expect(main("train", *args, "--dry-run"), "train/b has no images")
     for i in range(4):   # every training and test image corrupt
         (root / "train" / "b" / f"{i}.jpg").write_bytes(b"not a jpeg")
         (root / "train" / "a" / f"{i}.jpg").write_bytes(b"not a jpeg")

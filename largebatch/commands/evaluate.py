@@ -59,6 +59,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
 
     from largebatch import checkpoint, dist as dist_mod, ensemble
     from largebatch.data import build_data
+    from largebatch.data.info import check_classes
     from largebatch.layout import use_channels_last
     from largebatch.scoring import evaluate
     from largebatch.models.classifier import build_classifier
@@ -68,6 +69,7 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     info = dist_mod.init(device, cfg.comm.timeout_s)
     dist_mod.set_threads(cfg.train.threads, info.local_world_size)
     train, test, data_info = build_data(cfg.data, cfg.train.seed)
+    check_classes(run_dir, data_info.classes, write=False)   # the labels the run was trained with
     torch.manual_seed(cfg.train.seed)
     model = build_classifier(cfg, data_info, device, use_channels_last(cfg.train.channels_last, device,
                                                                         cfg.train.precision))

@@ -132,7 +132,7 @@ def build_data(cfg, seed: int) -> tuple[Source, Source, DatasetInfo]:
         train = IndexedSource(train, _fixed_permutation(len(train), 7919)[:subset])   # the same whatever train.seed
     if val_split is not None or subset is not None:
         info = DatasetInfo(info.num_classes, info.in_channels, info.image_size, info.mean, info.std, len(train),
-                           len(test), info.name + (f"+val{val_split}" if val_split else ""))
+                           len(test), info.name + (f"+val{val_split}" if val_split else ""), info.classes)
     return train, test, info
 
 

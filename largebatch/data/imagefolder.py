@@ -1,9 +1,13 @@
-"""ImageNet-style JPEG trees (root/train/<class>/*.jpg, root/val/<class>/*.jpg).
+"""ImageNet-style image trees (root/train/<class>/*.JPEG; root/val/<class>/*.JPEG or ImageNet's flat val/ with
+a label file; docs/imagenet.md).
 
-1. Scan: class names are the sorted sub-directories of ``train/``; ``val/`` must use
-   the same names. File lists are sorted, so image ``i`` is the same file on every
-   rank and in every run; paths are kept in a numpy string array (no per-object
-   reference counts for forked workers to copy).
+1. Scan: class names are the sorted non-hidden sub-directories of ``train/`` (torchvision's
+   ImageFolder order; a hidden folder such as .ipynb_checkpoints is ignored, saying so);
+   ``val/`` uses the same names, or is one flat folder labelled by a label file. Inside a
+   class folder, images of torchvision's extensions in nested folders too, in
+   torchvision's order; so image ``i`` is the same file on every rank and in every run.
+   Paths are kept in a numpy string array (no per-object reference counts for forked
+   workers to copy).
 2. Load: a torch ``DataLoader`` whose items are whole index batches
    (``batch_size=None``): each loader worker decodes one batch into one uint8 buffer
    with ``jpeg.decode_crop`` (DCT-scaled decode, random-resized-crop or centre crop,
@@ -22,6 +26,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -32,16 +37,45 @@ from torch.utils.data import DataLoader, Dataset
 from largebatch.data import jpeg
 from largebatch.errors import UserError
 
-EXTENSIONS = (".jpg", ".jpeg", ".jpe")
+# What torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS), and ".jpe"; a file that is
+# not a JPEG is decoded by Pillow (largebatch/data/jpeg.py).
+EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+KAGGLE_VAL_LABELS = "LOC_val_solution.csv"   # Kaggle's ImageNet: ImageId,PredictionString ("<wnid> x y x y ...")
 
 
-def scan(root: Path, split: str, classes: list[str] | None = None) -> tuple[list[str], np.ndarray, torch.Tensor]:
-    """Step 1: (classes, paths, labels) of root/split."""
+def _say(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":   # once per run, not once per rank
+        print(f"largebatch: {line}", file=sys.stderr, flush=True)
+
+
+def _images(folder: Path) -> tuple[list[str], list[str]]:
+    """(image files under `folder`, nested folders included, in torchvision's ImageFolder order: the folders
+    sorted by path, each one's files by name; hidden files and folders skipped, and their names)."""
+    found: list[tuple[str, list[str]]] = []
+    hidden: list[str] = []
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        hidden += [os.path.join(top, d) for d in dirs if d.startswith(".")]
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.append((top, sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))))
+    return [os.path.join(top, f) for top, files in sorted(found) for f in files], hidden
+
+
+def scan(root: Path, split: str, classes: list[str] | None = None, val_labels: str | None = None
+         ) -> tuple[list[str], np.ndarray, torch.Tensor]:
+    """Step 1: (classes, paths, labels) of root/split. Classes are the sorted non-hidden sub-folders of train/
+    (torchvision's order); a val/ without class folders is ImageNet's flat layout, labelled by a label file
+    (`_flat_val`)."""
     base = root / split
     if not base.is_dir():
         raise UserError(f"ImageFolder split {base} is missing; data.root must contain train/ and val/ "
-                        f"with one sub-directory of JPEGs per class.")
-    found = sorted(e.name for e in os.scandir(base) if e.is_dir())
+                        f"with one sub-directory of images per class (docs/imagenet.md shows the layouts read).")
+    entries = [e for e in os.scandir(base) if e.is_dir()]
+    found = sorted(e.name for e in entries if not e.name.startswith("."))
+    hidden = sorted(e.name for e in entries if e.name.startswith("."))
+    if hidden:
+        _say(f"{base}: hidden folder(s) {', '.join(hidden[:5])} ignored (not classes).")
+    if split == "val" and classes is not None and not found:
+        return classes, *_flat_val(root, base, classes, val_labels)
     if classes is None:
         classes = found
     else:
@@ -51,24 +85,99 @@ def scan(root: Path, split: str, classes: list[str] | None = None) -> tuple[list
                             f"use the same class folders in train/ and val/.")
     paths: list[str] = []
     labels: list[int] = []
+    skipped: list[str] = []
     for label, name in enumerate(classes):
         folder = base / name
         if not folder.is_dir():
             continue
-        files = sorted(e.path for e in os.scandir(folder)
-                       if e.is_file() and e.name.lower().endswith(EXTENSIONS))
+        files, hidden_inside = _images(folder)
+        skipped += hidden_inside
         if not files and split == "train":
-            raise UserError(f"ImageFolder class folder {folder} has no JPEG files (*.jpg, *.jpeg); put the class's "
-                            "training images there or remove the folder.")
+            raise UserError(f"ImageFolder class folder {folder} has no images (*.jpg, *.jpeg, *.png, ...); put the "
+                            "class's training images there or remove the folder.")
         paths += files
         labels += [label] * len(files)
+    if skipped:
+        _say(f"{base}: {len(skipped)} hidden folder(s) inside class folders ignored, e.g. {skipped[0]}.")
     if not paths:
-        raise UserError(f"ImageFolder split {base} has no JPEG files (*.jpg, *.jpeg) in its class folders; "
+        raise UserError(f"ImageFolder split {base} has no images (*.jpg, *.jpeg, *.png, ...) in its class folders; "
                         f"put images in {base}/<class>/.")
     if split == "train" and len(classes) < 2:
         raise UserError(f"ImageFolder split {base} has {len(classes)} class folder(s); a classifier needs 2 or more, "
-                        f"one sub-directory of JPEGs per class.")
+                        f"one sub-directory of images per class.")
     return classes, np.array(paths), torch.tensor(labels, dtype=torch.int64)
+
+
+def find_val_labels(root: Path, given: str | None) -> Path | None:
+    """The label file of a flat val/: `data.val_labels`, else Kaggle's LOC_val_solution.csv in data.root or up to
+    three folders above it (Kaggle's data.root is ILSVRC/Data/CLS-LOC, the file beside ILSVRC/)."""
+    if given is not None:
+        path = Path(given)
+        if not path.is_file():
+            raise UserError(f"data.val_labels {path} is not a file; give the label file of the flat val/ folder "
+                            f"(e.g. {KAGGLE_VAL_LABELS}).")
+        return path
+    for folder in [root, *list(root.resolve().parents)[:3]]:
+        if (folder / KAGGLE_VAL_LABELS).is_file():
+            return folder / KAGGLE_VAL_LABELS
+    return None
+
+
+def read_val_labels(path: Path) -> dict[str, str]:
+    """File name (without extension) -> class folder name. Kaggle's CSV (ImageId,PredictionString: the class is
+    the first word of PredictionString), or lines of `<file> <class>` or `<file>,<class>`."""
+    out: dict[str, str] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"data.val_labels {path} cannot be read ({type(err).__name__}); give a text label file.") from None
+    kaggle = bool(lines) and lines[0].replace(" ", "").lower().startswith("imageid,predictionstring")
+    for n, line in enumerate(lines[1:] if kaggle else lines, start=2 if kaggle else 1):
+        if not line.strip():
+            continue
+        fields = [f for f in (line.split(",", 1) if "," in line else line.split()) if f.strip()]
+        label = fields[1].split()[0] if len(fields) == 2 and fields[1].split() else None
+        if label is None:
+            raise UserError(f"{path} line {n} ({line.strip()[:60]!r}) has no class; each line names an image and its "
+                            "class folder name (wnid), as in Kaggle's LOC_val_solution.csv.")
+        out[os.path.splitext(fields[0].strip())[0]] = label
+    if not out:
+        raise UserError(f"{path} holds no labels; give the label file of the flat val/ folder.")
+    return out
+
+
+def _flat_val(root: Path, base: Path, classes: list[str], given: str | None) -> tuple[np.ndarray, torch.Tensor]:
+    """ImageNet's validation set as ILSVRC2012 and Kaggle ship it: val/ILSVRC2012_val_*.JPEG, one flat folder,
+    labelled by a label file (`find_val_labels`). Every image needs a label and every label an image and a class
+    of train/; labels are class indices of train/ (the same as in class-folder layouts)."""
+    files, _ = _images(base)
+    files = [f for f in files if os.path.dirname(f) == str(base)]
+    if not files:
+        raise UserError(f"ImageFolder split {base} has neither class folders nor images; put the validation images "
+                        f"in {base}/<class>/ or in {base} itself with a label file (data.val_labels).")
+    path = find_val_labels(root, given)
+    if path is None:
+        raise UserError(f"{base} is a flat folder of {len(files)} images without class folders and no label file was "
+                        f"found; set data.val_labels to its label file ({KAGGLE_VAL_LABELS} from Kaggle, or lines of "
+                        "'<file> <wnid>'), or sort val/ into class folders.")
+    labels = read_val_labels(path)
+    index = {name: i for i, name in enumerate(classes)}
+    unknown = sorted({c for c in labels.values() if c not in index})
+    if unknown:
+        raise UserError(f"{path} names class(es) {unknown[:3]} that train/ does not have; use the label file that "
+                        "belongs to this training set.")
+    stems = {os.path.splitext(os.path.basename(f))[0]: f for f in files}
+    unlabelled = sorted(set(stems) - set(labels))
+    if unlabelled:
+        raise UserError(f"{len(unlabelled)} image(s) in {base} have no label in {path}, e.g. {unlabelled[0]}; give "
+                        "the complete label file or move those images out of val/.")
+    missing = sorted(set(labels) - set(stems))
+    if missing:
+        raise UserError(f"{path} labels {len(missing)} image(s) that {base} does not have, e.g. {missing[0]}; give "
+                        "the label file of this val/ folder, or restore the missing images.")
+    _say(f"{base}: a flat validation folder of {len(files)} images, labelled by {path}.")
+    return np.array(files), torch.tensor([index[labels[os.path.splitext(os.path.basename(f))[0]]] for f in files],
+                                         dtype=torch.int64)
 
 
 class BatchDecoder(Dataset):
@@ -175,7 +284,10 @@ def build_imagefolder(cfg, seed: int):
     if not root.is_dir():
         raise UserError(f"ImageFolder root {root} does not exist; set data.root to a directory with train/ and val/.")
     classes, train_paths, train_labels = scan(root, "train")
-    _, val_paths, val_labels = scan(root, "val", classes)
+    if cfg.val_split is None:
+        _, val_paths, val_labels = scan(root, "val", classes, cfg.val_labels)
+    else:   # the held-out training images are the evaluation set: val/ is not read, and need not exist
+        val_paths, val_labels = np.array([], dtype=str), torch.empty(0, dtype=torch.int64)
     from largebatch.data.gpu_jpeg import check_decode
 
     common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
@@ -184,5 +296,5 @@ def build_imagefolder(cfg, seed: int):
     train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, **common)
     test = ImageFolderSource(val_paths, val_labels, augment=False, **common)
     info = DatasetInfo(len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),
-                       f"imagefolder:{root.name}")
+                       f"imagefolder:{root.name}", tuple(classes))
     return train, test, info

@@ -2,7 +2,9 @@
 normalisation constants and the default Fashion-MNIST location."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 import torch
@@ -22,6 +24,7 @@ class DatasetInfo:
     train_size: int
     test_size: int
     name: str
+    classes: tuple[str, ...] | None = None   # class names by label, where the data set has them (ImageFolder)
 
 
 class Source(Protocol):
@@ -31,3 +34,29 @@ class Source(Protocol):
 
     def batches(self, index_batches: Iterable[torch.Tensor], *, train: bool, epoch: int
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def check_classes(run_dir: Path, classes: tuple[str, ...] | None, *, write: bool) -> None:
+    """A run's class names (labels in order) are kept in run_dir/classes.json: written at its start (`write`), and
+    compared on a resume and by `evaluate`, so that labels never shift under a trained model (a class folder
+    added or renamed under data.root)."""
+    from largebatch.errors import UserError
+    from largebatch.checkpoint import atomic_write
+
+    if classes is None:
+        return
+    path = run_dir / "classes.json"
+    if path.is_file():
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = None
+        if isinstance(kept, list) and tuple(kept) != classes:
+            diff = next((i for i, (a, b) in enumerate(zip(kept, classes)) if a != b), min(len(kept), len(classes)))
+            raise UserError(f"the classes under data.root differ from those this run was trained with ({path}: "
+                            f"{len(kept)} classes, now {len(classes)}, first difference at label {diff}); point "
+                            "data.root at the data the run was trained with.")
+        if isinstance(kept, list):
+            return
+    if write:
+        atomic_write(path, (json.dumps(list(classes), indent=0) + "\n").encode())
