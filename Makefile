@@ -57,13 +57,18 @@ clean-runs:
 	rm -rf runs
 
 # The CUDA check (docs/gpu.md). gpu-wheels, here with network: the wheels the GPU machine's image lacks, for its
-# Python 3.12 (manylinux x86-64), into .whl/: simplejpeg, and nvImageCodec (25 MB; GPU JPEG decoding of crop windows). gpu-check, on the GPU machine: scripts/gpu_check.sh.
+# Python 3.12 (manylinux x86-64), into .whl/: simplejpeg; nvImageCodec (25 MB; GPU JPEG decoding of crop windows);
+# and nvJPEG (4 MB; libnvjpeg.so.13, which nvImageCodec's GPU JPEG back-end dlopens: its `nvjpeg` extra names
+# nvidia-nvjpeg; nvidia-nvjpeg-cu13 on PyPI is an empty 0.0.0a0 placeholder), 13.0 like torch's cu130 build.
+# gpu-check, on the GPU machine (one device command: OUT=$OUT GPU_CHECK_DEADLINE_S=450 bash scripts/gpu_check.sh,
+# carry [".whl"], timeout 480): scripts/gpu_check.sh, every step within GPU_CHECK_DEADLINE_S, at most 8 files in $OUT.
 WHL     ?= .whl
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  -d $(WHL) 'simplejpeg>=1.7' 'nvidia-nvimgcodec-cu13>=0.9'
-	@ls $(WHL)
+	  -d $(WHL) 'simplejpeg>=1.7' 'nvidia-nvimgcodec-cu13>=0.9' 'nvidia-nvjpeg>=13.0,<13.1'
+	@echo "gpu-wheels: in $(WHL)/ (the GPU machine's scripts/gpu_check.sh installs every one):"
+	@ls -sh1 $(WHL)/*.whl
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -4,11 +4,16 @@
 #   scripts/gpu_check.sh          on the GPU machine, with the .whl folder (make gpu-wheels) beside the checkout
 #   scripts/gpu_check.sh --cpu    the same sequence on CPU with tiny sizes (the suite runs it)
 #
-# Installs the wheels and this package with pip --no-index --no-deps against the machine's own torch (never a
-# torch download), then runs scripts/gpu_check.py: the machine, pytest -m cuda, ResNet-50 throughput beside
-# timm and torchvision, the JPEG loader, a short end-to-end run. Results: $OUT/gpu_check.json and
-# $OUT/gpu_check.log (OUT defaults to ./gpu-check-out).
+# Installs the carried wheels and this package with pip --no-index --no-deps against the machine's own torch
+# (never a torch download) into a private folder, puts the nvJPEG wheel's library folder on LD_LIBRARY_PATH,
+# then runs scripts/gpu_check.py: machine (versions, libnvjpeg, nvImageCodec's back-ends), throughput,
+# cuda_tests, more_tests, data, train (calibrate when asked), all within one deadline:
+# GPU_CHECK_DEADLINE_S (default 450) from this script's start. Results, at most 8 files: $OUT/gpu_check.json,
+# $OUT/gpu_check.log (this output) and one log per step (OUT defaults to ./gpu-check-out). Exits non-zero
+# when a step failed or was killed at the deadline.
 set -uo pipefail
+GPU_CHECK_T0=$(date +%s.%N)   # the deadline counts from here
+export GPU_CHECK_T0
 cd "$(dirname "$0")/.."
 MODE=gpu
 if [ "${1:-}" = "--cpu" ]; then MODE=cpu; elif [ -n "${1:-}" ]; then
@@ -17,19 +22,34 @@ fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+DEADLINE=${GPU_CHECK_DEADLINE_S:-450}
+left() { local l=$(( ${DEADLINE%.*} - SECONDS )); echo $(( l > 1 ? l : 1 )); }
+SITE=${LARGEBATCH_SITE:-/tmp/largebatch-site}
+install() {
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    echo "gpu_check: installing $(cd .whl && echo *.whl)"
+    timeout -k 5 "$(left)" "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
+      .whl/*.whl || echo "gpu_check: wheel install failed" >&2
+  else
+    echo "gpu_check: no .whl/ folder (make gpu-wheels): simplejpeg and nvImageCodec only where the machine has them"
+  fi
+  timeout -k 5 "$(left)" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+    --target "$SITE" . || echo "gpu_check: installing the package failed; using the checkout on PYTHONPATH" >&2
+}
 # The package is imported from this checkout; where it is not installed (the GPU machine), pip installs it
 # and the carried wheels into a private folder, with the machine's own torch and no index.
 # (sys.path[0] is dropped first: it is the current directory under -c, where the checkout's own folder would
 # import without the wheels being installed; and the wheels' simplejpeg must import too)
 if ! "$PY" -c "import sys; sys.path.pop(0); import largebatch, pathlib, simplejpeg; sys.exit(pathlib.Path(largebatch.__file__).resolve().parents[1] != pathlib.Path('$PWD').resolve())" 2>/dev/null; then
-  SITE=${LARGEBATCH_SITE:-/tmp/largebatch-site}
-  if compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || echo "gpu_check: wheel install failed" >&2
-  fi
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
-    || echo "gpu_check: installing the package failed; using the checkout on PYTHONPATH" >&2
+  install 2>&1 | tee -a "$LOG"
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # nvImageCodec's nvJPEG extension dlopens libnvjpeg.so.13: the nvidia-nvjpeg wheel's folder (nvidia/cu13/lib)
+  for lib in "$SITE"/nvidia/cu13/lib "$SITE"/nvidia/nvjpeg/lib; do
+    if [ -d "$lib" ]; then export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+  done
+  echo "gpu_check: PYTHONPATH=$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" | tee -a "$LOG"
 fi
-"$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
-command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-exec "$PY" scripts/gpu_check.py --mode "$MODE" --out "$OUT"
+"$PY" scripts/gpu_check.py --mode "$MODE" --out "$OUT" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"
