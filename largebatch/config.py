@@ -150,8 +150,9 @@ class DataConfig(Section):
     min_scale: float = _doc(0.08, "smallest area fraction of random-resized-crop (ImageFolder)", bounds="(0, 1]")
     loader_workers: int = _doc(2, "decoding processes per rank for JPEG sources (0 = in the training process)")
     on_corrupt: str = _choices("skip", "fail", doc="a corrupt or truncated JPEG is skipped and listed, or fails the run")
-    decode: str = _choices("auto", "cpu", "gpu", doc="where JPEGs are decoded and cropped (auto: gpu for imagefolder "
-                                                     "with CUDA and torchvision, else cpu; largebatch/data/gpu_jpeg.py)")
+    decode: str = _choices("auto", "cpu", "gpu", doc="where JPEGs are decoded and cropped (auto: cpu until a GPU check "
+                                                     "has verified GPU decoding, saying so on CUDA; gpu: on the GPU "
+                                                     "with nvImageCodec or torchvision; largebatch/data/gpu_jpeg.py)")
     gpu_decoder: str = _choices("auto", "nvimgcodec", "torchvision",
                                 doc="data.decode gpu: nvImageCodec decodes only the crop window, on the hardware "
                                     "JPEG decoder where there is one; torchvision decodes whole images with nvJPEG; "

@@ -64,7 +64,14 @@ class Trainer:
         # 1. device, process group, threads
         self.device = dist_mod.pick_device(t.device)
         if t.precision == "fp16" and self.device.type != "cuda":
-            raise UserError("train.precision fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU.")
+            # bf16, not fp32: the CPU's half type (autocast, channels-last kernels), with fp32's exponent range, so
+            # it needs no loss scale (the GradScaler is CUDA's). Set in the config: GradScaler, step, evaluation,
+            # config.yaml and summary.json then all say what ran (train.precision is resumable, so a later resume
+            # on CUDA with fp16 is accepted and recorded).
+            t.precision = "bf16"
+            if dist_mod.env_info().is_main:
+                print(f"largebatch: train.precision fp16 needs CUDA; training in bf16 on {self.device.type.upper()} "
+                      "(set train.precision=bf16 to silence this).", file=sys.stderr, flush=True)
         self.info = dist_mod.init(self.device, cfg.comm.timeout_s)
         use_graph, why_not = graph.plan(t.cuda_graph, self.device, self.info.world_size, t.noise_scale,
                                         t.compile_mode if t.compile else None)
@@ -402,7 +409,10 @@ class Trainer:
             global_batch=self.plan.phase_at(self.step - 1).global_batch, corrupt_images=len(corrupt),
             precision=self.cfg.train.precision, threads=self.threads, ensemble=ensemble_rec,
             machine=metrics_mod.machine(self.device))
-        summary.update(train_images=len(self.train_data), val_images=len(self.test_data))   # what the sources read
+        summary.update(train_images=self.data_info.train_size, val_images=self.data_info.test_size)   # what was read
+        finishers = [getattr(s, "finisher", None) for s in (self.train_data, self.test_data)]
+        if any(f is not None for f in finishers):   # GPU decoding: valid JPEGs its decoder refused (rank 0's count)
+            summary["gpu_decode_cpu_fallbacks"] = sum(getattr(f, "cpu_fallbacks", 0) for f in finishers)
         if self.main:
             metrics_mod.write_outputs(self.run_dir, summary, corrupt, plots=self.cfg.train.plots,
                                       tensorboard=self.cfg.train.tensorboard)

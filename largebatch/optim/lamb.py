@@ -22,6 +22,7 @@ when `found_inf` says so (largebatch.optim.skip): moments, t and weights stay as
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
@@ -49,6 +50,9 @@ class LAMB(Optimizer):
                         bias_correction=bias_correction, lars_exclude=False)
         super().__init__(params, defaults)
         self._spread = Spread()   # device scalars as multi-tensor operands (buffers on CUDA, not state)
+
+    def _spread_at(self, where: tuple, name: str, like: list[Tensor], value: Tensor) -> list[Tensor]:
+        return self._spread((*where, name), like, value)
 
     _step_supports_amp_scaling = True   # GradScaler hands its found_inf over instead of reading it on the host
     static_lr_dtype = torch.float64     # a CUDA graph's lr tensor (step.set_lr): the precision of a Python float
@@ -116,7 +120,7 @@ class LAMB(Optimizer):
                     bc1s, bc2s = [bc1[j].to(dtype) for j in idx], [bc2[j].to(dtype) for j in idx]
                 _lamb_update(ps, gs, ms_, vs_, bc1s, bc2s, ok=ok, lr=lr, beta1=beta1, beta2=beta2,
                              eps=group["eps"], weight_decay=group["weight_decay"], exclude=group["lars_exclude"],
-                             spread=lambda name, like, value, b=bucket, i=i: self._spread((i, b, name), like, value))
+                             spread=functools.partial(self._spread_at, (i, bucket)))
         return loss
 
 

@@ -27,6 +27,7 @@ reads a tensor value on the host, so a CUDA graph can hold it:
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
@@ -62,6 +63,9 @@ class LARS(Optimizer):
         super().__init__(params, defaults)
         self._prev_lr: dict[int, Tensor] = {}   # group index -> lr_old on the device (float64)
         self._spread = Spread()   # device scalars as multi-tensor operands (buffers on CUDA, not state)
+
+    def _spread_at(self, where: tuple, name: str, like: list[Tensor], value: Tensor) -> list[Tensor]:
+        return self._spread((*where, name), like, value)
 
     def state_dict(self) -> dict:
         """As torch's, with each group's lr_old as the float "prev_lr" (a host read: checkpoints only)."""
@@ -116,7 +120,7 @@ class LARS(Optimizer):
             for bucket, (tensors, _) in buckets.items():   # typed as lists of optional tensors; these hold none
                 ps, gs, vs = (cast(list[Tensor], ts) for ts in tensors)
                 _lars_update(ps, gs, vs, lr=lr, factor=factor, ok=ok, momentum=group["momentum"],
-                             spread=lambda name, like, value, b=bucket, i=i: self._spread((i, b, name), like, value),
+                             spread=functools.partial(self._spread_at, (i, bucket)),
                              weight_decay=group["weight_decay"], eta=group["trust_coefficient"], eps=group["eps"],
                              nesterov=group["nesterov"], exclude=group["lars_exclude"])
         return loss
