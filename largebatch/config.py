@@ -205,8 +205,11 @@ class DataConfig(Section):
 class BatchConfig(Section):
     global_batch: int = _doc(256, "images per optimizer step across all workers; with batch.phases it is theirs "
                                   "(the first phase's) and giving it too is an error")
-    micro_batch: Optional[int] = _doc(None, "largest per-worker forward batch; accumulation is derived from it")
-    accumulation: Optional[int] = _doc(None, "gradient-accumulation steps (derived when unset)")
+    micro_batch: Optional[int] = _doc("auto", "largest per-worker forward batch, accumulation derived from it; auto: "
+                                              "the largest that fits the device's memory (largebatch/memory.py); "
+                                              "null: the whole per-worker batch in one pass", words=("auto",))
+    accumulation: Optional[int] = _doc(None, "gradient-accumulation steps (derived when unset; with a number for "
+                                             "batch.micro_batch too, the two must make the per-worker batch)")
     phases: list[BatchPhase] = _doc([], "batch-size control: list of {start_epoch, global_batch, lr (optional peak "
                                         "lr)} starting at epoch 0; empty means global_batch for the whole run")
 
@@ -290,6 +293,9 @@ class TrainConfig(Section):
                                    "train.noise_scale; auto: eager until a GPU check has verified the graph, "
                                    "saying so in one line on CUDA; largebatch/graph.py)")
     threads: Optional[int] = _doc(None, "intra-op threads per worker (default cores / local workers)")
+    device_memory_gb: Optional[float] = _doc(None, "memory per worker's device in GiB for batch.micro_batch auto "
+                                                   "(null: the CUDA device's total, or the CPU's available memory / "
+                                                   "local workers); set it to plan a GPU from another machine")
     label_smoothing: float = _doc(0.0, "label smoothing of the cross-entropy", bounds="[0, 1)")
     log_every: int = _doc(50, "steps between metric lines (the only steps with host syncs)")
     eval_every: int = _doc(1, "epochs between evaluations (0 = only at the end)")
@@ -446,6 +452,8 @@ def _coerce(where: str, value: Any, tp: Any, meta: dict) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, str) and value in meta.get("words", ()):   # a word a number key also takes ("auto")
+            return value
         return _coerce(where, value, args[0], meta)
     ok = True
     if tp is bool:
@@ -594,6 +602,8 @@ def reference() -> list[KeyDoc]:
             shown_default = "required" if f.metadata.get("required") else shown(default) if default is not None else "null"
             item = _item_types(cls).get(f.name)
             type_name = f"list of {item.__name__}" if item else _type_name(hints[f.name])
+            for word in f.metadata.get("words", ()):   # a word a number key also takes ("auto")
+                type_name = type_name.replace(" or null", f", {word} or null")
             rows.append(KeyDoc(key, type_name, shown_default, _bounds(key, f.metadata), f.metadata.get("doc", "")))
             if item is not None:
                 add(f"{key}[]", item, None)
@@ -733,7 +743,7 @@ POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train
             "batch.global_batch", "batch.micro_batch", "batch.accumulation",
             "optim.lr", "optim.reference_batch", "optim.trust_coefficient", "optim.lamb_eps",
             "schedule.epochs", "schedule.gamma", "schedule.power",
-            "train.threads", "train.max_steps", "train.log_every", "train.keep_checkpoints",
+            "train.threads", "train.device_memory_gb", "train.max_steps", "train.log_every", "train.keep_checkpoints",
             "comm.bucket_mb", "comm.timeout_s", "comm.pipeline", "comm.local_size",
             "ensemble.cycle_epochs", "ensemble.cycle_lr_factor", "ensemble.collapse_wd_factor")
 NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.lars_eps",
@@ -816,8 +826,8 @@ def _check_warmup_start(cfg: "Config") -> None:
                         "unscaled lr, or the peak where that is lower).")
 
 
-def _check_sign(where: str, value: float | None, allow_zero: bool = False) -> None:
-    if value is None:
+def _check_sign(where: str, value: float | str | None, allow_zero: bool = False) -> None:
+    if value is None or isinstance(value, str):   # a word a number key takes ("auto")
         return
     if value < 0 or (value == 0 and not allow_zero):
         bound = "zero or more" if allow_zero else "positive"
@@ -858,7 +868,7 @@ RESUMABLE = frozenset({
     "data.loader_workers", "data.on_corrupt", "data.decode", "data.gpu_decoder", "data.gpu_cache_gb",
     "data.train_size",
     "train.device", "train.precision", "train.channels_last", "train.compile", "train.compile_mode",
-    "train.cuda_graph", "train.threads", "train.deterministic",
+    "train.cuda_graph", "train.threads", "train.device_memory_gb", "train.deterministic",
     "train.log_every", "train.eval_every", "train.eval_flip", "train.ema", "train.noise_scale",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_steps", "train.max_nonfinite",
     "train.tensorboard", "train.plots",

@@ -122,11 +122,18 @@ def resolution_at(phases: list, epoch: float) -> int | None:
 
 def split_batch(global_batch: int, world_size: int, micro_batch: int | None = None,
                 accumulation: int | None = None, where: str = "batch.global_batch") -> tuple[int, int]:
-    """(micro_batch, accumulation) with micro_batch x world_size x accumulation == global_batch."""
+    """(micro_batch, accumulation) with micro_batch x world_size x accumulation == global_batch. A micro-batch
+    given alone is a cap (the fewest equal micro-batches of at most that many images); given with an
+    accumulation, the two must make the per-worker batch."""
     if global_batch % world_size:
         raise UserError(f"{where} = {global_batch} is not divisible by the world size {world_size}; "
                         f"choose a global batch that is a multiple of {world_size} or change the number of workers.")
     per_worker = global_batch // world_size
+    if micro_batch is not None and accumulation is not None and micro_batch * accumulation != per_worker:
+        raise UserError(f"batch.micro_batch = {micro_batch} and batch.accumulation = {accumulation} make "
+                        f"{micro_batch * accumulation} images per worker, but {where} = {global_batch} over "
+                        f"{world_size} workers is {per_worker}; set one of them and leave the other null (it is "
+                        "derived), or make them agree.")
     if accumulation is None and micro_batch is not None:
         if micro_batch >= per_worker:
             accumulation = 1
@@ -146,7 +153,9 @@ class Plan:
     """The resolved schedule of a run: phases, steps and lr per step. Pure and cheap."""
 
     def __init__(self, batch_cfg, optim_cfg, schedule_cfg, *, world_size: int, train_size: int,
-                 ensemble_cfg=None):
+                 ensemble_cfg=None, micro_cap: int | None = None):
+        """`micro_cap`: what `batch.micro_batch: auto` resolved to (largebatch/memory.py); None where nothing was
+        resolved (no cap: the whole per-worker batch in one pass)."""
         self.schedule = schedule_cfg
         self.optim = optim_cfg
         self.world_size = world_size
@@ -172,7 +181,10 @@ class Plan:
                 raise UserError(f"global batch {gb} is larger than the {train_size} training images; "
                                 "use a smaller batch.")
             where = f"batch.phases[{i}].global_batch" if batch_cfg.phases else "batch.global_batch"
-            micro, accum = split_batch(gb, world_size, batch_cfg.micro_batch, batch_cfg.accumulation, where)
+            cap = batch_cfg.micro_batch   # auto: the memory's cap, unless an accumulation is given (it decides)
+            if cap == "auto":
+                cap = micro_cap if batch_cfg.accumulation is None else None
+            micro, accum = split_batch(gb, world_size, cap, batch_cfg.accumulation, where)
             peak = p.lr if p.lr is not None else scaled_lr(optim_cfg.lr, gb, optim_cfg.reference_batch,
                                                            optim_cfg.scaling_rule)
             spe = train_size // gb
@@ -181,6 +193,11 @@ class Plan:
             step += phase.steps
         self.phases = phases
         self.total_steps = step
+        # a forward batch that changes between phases (a fixed accumulation, or a cap above a phase's batch): said
+        # by the dry run, since it changes BatchNorm's batch and the memory a step needs
+        self.notes = [f"the forward batch per worker changes from {a.micro_batch} to {b.micro_batch} images at "
+                      f"epoch {b.start_epoch}; set batch.micro_batch to cap it"
+                      for a, b in zip(phases, phases[1:]) if a.micro_batch != b.micro_batch]
         if schedule_cfg.warmup_start_lr is None:   # Goyal's warm-up climbs from the unscaled lr to k times it; with
             self.start_lr = min(self.start_lr, phases[0].peak_lr)   # k < 1 (a batch below reference_batch) it
             # would fall from above the peak: start at the peak instead, no warm-down

@@ -57,6 +57,7 @@ class TrainStep:
         self.counters: torch.Tensor | None = None   # step 5's counters, made at the first step
         self.noise_rec: dict = {}  # the last measurement of the noise scale, for the next log record
         self.graph: GraphedStep | None = None   # the CUDA graph of steps 2-5 (largebatch/graph.py), set by the trainer
+        self.forward_cap: int | None = None   # split micro-batches further after an out-of-memory retry (memory.py 6)
 
     def to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
         x = to_model_layout(x, self.device, self.channels_last)
@@ -83,6 +84,9 @@ class TrainStep:
         device scalar of 1 or NaN."""
         loss_sum = torch.zeros((), device=self.device)
         ddp = cast(nn.parallel.DistributedDataParallel, self.ddp)   # the DDP module when distributed
+        cap = self.forward_cap
+        if cap is not None:   # the same images in smaller forward passes: each loss is still / per_worker_batch
+            micros = [(x[i:i + cap], y[i:i + cap]) for x, y in micros for i in range(0, len(y), cap)]
         for i, (x, y) in enumerate(micros):                                              # 2
             x, y = self.to_device(x, y, size)
             last = i == len(micros) - 1 and not measure

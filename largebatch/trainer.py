@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, graph, metrics as metrics_mod, reliability, rundir, scoring
+from largebatch import checkpoint, dist as dist_mod, ensemble, graph, memory, metrics as metrics_mod, reliability, rundir, scoring
 from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
@@ -100,8 +100,17 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
 
         # 4. the step plan: phases, accumulation, lr per step; the batch source that follows it
+        micro_cap, self.memory = memory.resolve(cfg, self.data_info, world_size=self.info.world_size,
+                                                local_workers=self.info.local_world_size,
+                                                device_type=self.device.type, device=self.device)
         self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
-                         train_size=len(self.train_data), ensemble_cfg=cfg.ensemble)
+                         train_size=len(self.train_data), ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
+        split = [p for p in self.plan.phases if p.accumulation > 1]
+        if micro_cap is not None and self.memory is not None and split and self.main:   # auto split a batch: say how
+            p = split[0]
+            print(f"largebatch: batch.micro_batch auto: {p.per_worker_batch} images per worker as {p.accumulation} "
+                  f"micro-batches of {p.micro_batch} (the global batch and lr unchanged; BatchNorm normalises each "
+                  f"micro-batch): {self.memory.describe(p.micro_batch)}.", file=sys.stderr, flush=True)
         self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
         self.batches = BatchSource(self.plan, self.train_data, self.info.rank, self.info.world_size, t.seed)
 
@@ -159,6 +168,7 @@ class Trainer:
                   "model": model.built})   # which model was built (models/external.py: Built)
         resumed = self.state.resume(found) if resume else None
         self.step = resumed or 0
+        self.session_start = self.step   # the first step of this session (out-of-memory retries: memory.py 6)
         self.saved_step = resumed   # the newest checkpoint's step: a stop right after a resume does not rewrite it
         self.last_eval: dict | None = None
         self.t_start: float | None = None
@@ -325,12 +335,38 @@ class Trainer:
         self.faults.before_step(self.step)   # LARGEBATCH_FAULTS debugging knob; no-op when unset
         with self._guard("training step (stop flag + gradient all-reduce)"):
             self.stop.start()                 # async flag all-reduce, overlaps the step
-            self.window.loss += self.train_step(self.step, micros, phase, lr, resolution_at(
-                self.cfg.data.resolution_phases, self.plan.epoch_float(self.step)))
+            size = resolution_at(self.cfg.data.resolution_phases, self.plan.epoch_float(self.step))
+            while True:
+                try:
+                    loss = self.train_step(self.step, micros, phase, lr, size)
+                    break
+                except torch.OutOfMemoryError as err:
+                    self._out_of_memory(err, phase)   # a smaller forward batch to retry with, or one sentence
+            self.window.loss += loss
             stop_now = self.stop.agreed()
         self.progress.images_seen += phase.global_batch
         self.step += 1
         return stop_now
+
+    def _out_of_memory(self, err: torch.OutOfMemoryError, phase) -> None:
+        """largebatch/memory.py step 6: halve the forward batch and let the caller retry the step, or stop with one
+        sentence naming batch.micro_batch."""
+        ts = self.train_step
+        current = ts.forward_cap or phase.micro_batch
+        early = self.step < self.session_start + memory.OOM_RETRY_STEPS or \
+            self.step < phase.start_step + memory.OOM_RETRY_STEPS
+        what = (str(err).strip().splitlines() or [""])[0][:160]
+        if not early or self.info.world_size > 1 or ts.graph is not None or current <= 1:
+            raise UserError(f"the device ran out of memory at step {self.step} with forward batches of {current} "
+                            f"images per worker ({what}); set batch.micro_batch below {current} (e.g. "
+                            f"{max(current // 2, 1)}), or train.device_memory_gb to what the device can give and "
+                            "batch.micro_batch to auto.") from None
+        ts.forward_cap = current // 2
+        ts.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._say(f"largebatch: out of memory at step {self.step} with forward batches of {current} images per "
+                  f"worker; retrying the step with {ts.forward_cap} (the global batch and lr unchanged).")
 
     def _log_train(self, phase, lr: float) -> None:
         """A logging step: the host syncs of training (the skipped-step counters, the window's loss)."""

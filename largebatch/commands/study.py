@@ -470,7 +470,7 @@ def _check_cells(args, pairs: list[tuple[int, str]]) -> int:
     from largebatch.commands.train import _train_size, dry_run
 
     base = config_mod.load(args.recipe, cell_overrides(args, *pairs[0], 0))
-    size = _train_size(base)
+    size, _ = _train_size(base)
     whole = size + (args.val_split or 0)   # data.train_size counts the images before the split
     for b, o in pairs:
         cfg = config_mod.load(args.recipe, cell_overrides(args, b, o, 0) + [f"data.train_size={whole}"])

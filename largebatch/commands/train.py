@@ -66,12 +66,23 @@ def check_comm_layout(comm: config_mod.CommConfig, world_size: int, where: str =
 def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world size") -> dict:
     from largebatch.schedule import Plan
 
+    from largebatch import memory
+
     check_comm_layout(cfg.comm, world_size, where)
-    train_size = _train_size(cfg)
+    train_size, info = _train_size(cfg)
+    device_type = memory.device_type_for(cfg)
+    local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "8" if device_type == "cuda" else "1")))
+    micro_cap, est = memory.resolve(cfg, info, world_size=world_size, local_workers=local, device_type=device_type,
+                                    device=None)
     plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size,
-                ensemble_cfg=cfg.ensemble)
+                ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
     d = plan.describe()
     first = d["phases"][0]
+    largest = max(plan.phases, key=lambda p: p.micro_batch)
+    fits = est is None or est.need(largest.micro_batch) <= est.device_bytes
+    how = ("batch.micro_batch auto: the largest micro-batch whose memory fits, the per-worker batch split evenly"
+           if micro_cap is not None else f"batch.micro_batch {cfg.batch.micro_batch}, batch.accumulation "
+           f"{cfg.batch.accumulation}")
     return {
         "recipe": cfg.recipe, "model": cfg.model.name, "optimizer": cfg.optim.name,
         "world_size": world_size, "global_batch": first["global_batch"],
@@ -83,19 +94,28 @@ def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world siz
         "decay": cfg.schedule.decay, "label_smoothing": cfg.train.label_smoothing,
         "precision": cfg.train.precision, "train_size": train_size, "phases": d["phases"],
         "ensemble": d["ensemble"],
+        "device": (f"{device_type}, {est.device_bytes / memory.GIB:.1f} GiB per worker ({est.device_source})"
+                   if est is not None else device_type),
+        "memory": ("not estimated (the model does not run on the meta device)" if est is None else
+                   est.describe(largest.micro_batch) + ("" if fits else " - DOES NOT FIT: lower batch.micro_batch")),
+        "micro_batch_choice": how,
+        **({"notes": plan.notes} if plan.notes else {}),
         **({"resolution_phases": cfg.data.resolution_phases} if cfg.data.resolution_phases else {}),
     }
 
 
-def _train_size(cfg: config_mod.Config) -> int:
+def _train_size(cfg: config_mod.Config):
+    """(training images, the data's description: a stand-in where data.train_size spares reading the data)."""
     known = getattr(cfg.data, "train_size", None)
     if known:
+        from largebatch.memory import stand_in_info
+
         known -= cfg.data.val_split or 0
-        return min(known, cfg.data.subset or known)
+        return min(known, cfg.data.subset or known), stand_in_info(cfg)
     from largebatch.data import build_data
 
-    train, _, _ = build_data(cfg.data, cfg.train.seed)
-    return len(train)
+    train, _, info = build_data(cfg.data, cfg.train.seed)
+    return len(train), info
 
 
 def print_plan(plan: dict) -> None:
@@ -104,7 +124,7 @@ def print_plan(plan: dict) -> None:
 
     table = Table(title=f"largebatch plan: {plan['recipe']}", show_header=False)
     for key, value in plan.items():
-        if key not in ("phases", "ensemble", "resolution_phases"):
+        if key not in ("phases", "ensemble", "resolution_phases", "notes"):
             table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     Console().print(table)
     if len(plan["phases"]) > 1:
@@ -116,6 +136,8 @@ def print_plan(plan: dict) -> None:
         for ph in plan["phases"]:
             phases.add_row(*[f"{ph[c]:.6g}" if isinstance(ph[c], float) else str(ph[c]) for c in cols])
         Console().print(phases)
+    for note in plan.get("notes", []):
+        Console().print(f"note: {note}")
     if plan.get("resolution_phases"):
         sizes = ", ".join(f"{p['image_size']} px from epoch {p['start_epoch']}"
                           for p in sorted(plan["resolution_phases"], key=lambda p: p["start_epoch"]))
