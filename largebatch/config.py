@@ -282,7 +282,8 @@ class ScheduleConfig(Section):
 class TrainConfig(Section):
     seed: int = _doc(0, "seed of data order, augmentation and initialisation")
     device: str = _choices("auto", "cpu", "cuda", doc="auto: cuda when available")
-    precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA)")
+    precision: str = _choices("fp32", "bf16", "fp16", doc="autocast precision; fp16 uses dynamic loss scaling (CUDA; "
+                                                          "without CUDA fp16 trains as bf16, said in one line)")
     channels_last: str = _choices("auto", "on", "off", doc="NHWC memory format (auto: on for CUDA and bf16 CPU)")
     compile: bool = _doc(False, "torch.compile the model (Inductor fuses BN's and ReLU's elementwise work)")
     compile_mode: str = _choices("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune",

@@ -94,15 +94,18 @@ class Trainer:
         reliability.preflight(self.info, config_hash=cfg.hash(), train_size=len(self.train_data),
                               test_size=len(self.test_data))
 
+        # the micro-batch that fits the device (batch.micro_batch auto; largebatch/memory.py), before anything is
+        # written: a model whose state does not fit leaves no directory behind
+        micro_cap, self.memory = memory.resolve(cfg, self.data_info, world_size=self.info.world_size,
+                                                local_workers=self.info.local_world_size,
+                                                device_type=self.device.type, device=self.device)
+
         # 3. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
         self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
                                                 default_name=Path(cfg.recipe).stem, store=self.store)
         self.ckpt_dir = self.run_dir / "checkpoints"
 
         # 4. the step plan: phases, accumulation, lr per step; the batch source that follows it
-        micro_cap, self.memory = memory.resolve(cfg, self.data_info, world_size=self.info.world_size,
-                                                local_workers=self.info.local_world_size,
-                                                device_type=self.device.type, device=self.device)
         self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
                          train_size=len(self.train_data), ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
         split = [p for p in self.plan.phases if p.accumulation > 1]

@@ -282,7 +282,8 @@ def build_imagefolder(cfg, seed: int):
         raise UserError(f"data.root {root} is a file, not a directory; set data.root to a directory with train/ "
                         "and val/.")
     if not root.is_dir():
-        raise UserError(f"ImageFolder root {root} does not exist; set data.root to a directory with train/ and val/.")
+        raise UserError(f"ImageFolder root {root} does not exist; set data.root to your ImageNet folder (the one "
+                        "holding train/ and val/): --set data.root=/path/to/imagenet (docs/imagenet.md).")
     classes, train_paths, train_labels = scan(root, "train")
     if cfg.val_split is None:
         _, val_paths, val_labels = scan(root, "val", classes, cfg.val_labels)
