@@ -25,6 +25,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
+@pytest.mark.slow   # subprocesses: make test, not make test-fast
 def test_the_estimate_per_image_is_within_20_percent_of_measured_memory():
     """ResNet-50 at 128 px in fp32 on the CPU: the growth of a forward and backward pass's peak RSS from 2 to 10
     images, against the estimate per image (saved activations, the backward's working set, the input)."""
