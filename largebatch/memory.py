@@ -130,22 +130,40 @@ def _available_cpu_bytes() -> int:
 
 def estimate(cfg, info, device_type: str, device_bytes: int, source: str) -> Estimate:
     """Steps 1-3 for the run `cfg` on a device of `device_bytes`."""
-    net = meta_net(cfg, info)
+    sizes = [cfg.data.image_size, *(p.image_size for p in cfg.data.resolution_phases)]
+    return estimate_net(meta_net(cfg, info), in_channels=info.in_channels, image_size=max(sizes),
+                        precision=cfg.train.precision, optimizer=cfg.optim.name,
+                        momentum=cfg.optim.momentum, ema=bool(cfg.train.ema), device_type=device_type,
+                        device_bytes=device_bytes, source=source)
+
+
+def estimate_net(net: torch.nn.Module, *, in_channels: int, image_size: int, precision: str, optimizer: str,
+                 momentum: float, ema: bool, device_type: str, device_bytes: int, source: str) -> Estimate:
+    """Steps 1-3 for a meta-device `net` (`estimate`; `largebatch plan` gives its own values)."""
     params = sum(p.numel() for p in net.parameters() if p.requires_grad)
     buffers = sum(b.numel() for b in net.buffers() if b.is_floating_point())
-    sizes = [cfg.data.image_size, *(p.image_size for p in cfg.data.resolution_phases)]
-    precision = cfg.train.precision
-    per_image, _ = saved_bytes_per_image(net, info.in_channels, max(sizes), precision)
-    copies = 2 + (STATE_COPIES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum > 0 else 0)
+    per_image, _ = saved_bytes_per_image(net, in_channels, image_size, precision)
+    copies = 2 + (STATE_COPIES[optimizer] if optimizer != "sgd" or momentum > 0 else 0)
     state = copies * params * 4
-    if cfg.train.ema:
+    if ema:
         state += (params + buffers) * 4
     if device_type == "cuda":
-        state += (SPREAD_COPIES[cfg.optim.name] + (1 if cfg.train.ema else 0)) * params * 4
+        state += (SPREAD_COPIES[optimizer] + (1 if ema else 0)) * params * 4
     if precision in HALF:
         state += params * 2
     fraction, fixed = MARGIN.get(device_type, MARGIN["cpu"])
     return Estimate(device_bytes, source, state, per_image, int(device_bytes * fraction) + fixed)
+
+
+def split(per_worker: int, cap: int | None) -> tuple[int, int]:
+    """(micro-batch, accumulation): the fewest equal micro-batches of at most `cap` images (schedule.split_batch's
+    rule)."""
+    if cap is None or cap >= per_worker:
+        return per_worker, 1
+    accumulation = -(-per_worker // cap)
+    while per_worker % accumulation:
+        accumulation += 1
+    return per_worker // accumulation, accumulation
 
 
 def fit_micro_batch(est: Estimate, per_worker: int) -> int:

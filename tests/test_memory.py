@@ -123,3 +123,21 @@ def test_a_later_out_of_memory_is_one_sentence_naming_micro_batch(tmp_path):
     assert str(err.value).endswith("set batch.micro_batch below 32 (e.g. 16), or train.device_memory_gb to what the "
                                    "device can give and batch.micro_batch to auto.")
     trainer.close()
+
+
+def test_plan_prints_memory_per_device_from_the_catalog_and_refuses_a_model_that_does_not_fit(capsys):
+    """`largebatch plan` takes the device's memory from the catalog (with its source) and times the per-device
+    batch as the micro-batches that fit; a model whose state alone does not fit gets no time, one sentence."""
+    import json
+
+    from largebatch.commands import plan
+
+    assert plan.main(["imagenet_resnet50_lars_32k", "--device", "h100", "--devices", "8", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["per_device_batch"], p["micro_batch"], p["accumulation"]) == (4096, 1024, 4)
+    assert "NVIDIA H100 SXM5 datasheet: 80 GB HBM3" in p["memory"] and "74.5 GiB" in p["memory"]
+    assert plan.main(["imagenet_resnet50_lars_32k", "--device", "h100", "--devices", "256", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accumulation"] == 1   # 128 per device fits in one pass
+    with pytest.raises(UserError, match=r"the model's state alone \(.* GiB with a .* GiB margin\) does not fit the "
+                                        r"14.9 GiB of NVIDIA Tesla V100"):
+        plan.main(["--device", "v100", "--width", "640", "--json"])

@@ -46,7 +46,7 @@ def test_a_recipe_equals_the_same_plan_given_by_flags():
     flags = plan_json(*common, "--model", r["model"]["name"], "--stem", r["model"]["stem"],
                       "--image-size", r["data"]["image_size"], "--train-size", r["data"]["train_size"],
                       "--global-batch", r["batch"]["global_batch"], "--epochs", r["schedule"]["epochs"],
-                      "--precision", r["train"]["precision"],
+                      "--precision", r["train"]["precision"], "--optimizer", r["optim"]["name"],
                       "--eval-every", 1)   # train.eval_every's default: the recipe evaluates every epoch
     assert from_recipe == flags
     assert from_recipe["global_batch"] == 32768 and from_recipe["epochs"] == 90 and from_recipe["devices"] == 512

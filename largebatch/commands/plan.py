@@ -45,6 +45,7 @@ FROM_RECIPE: dict[str, tuple[str, Any]] = {
     "inter": ("comm.inter", "halving_doubling"),
     "bucket_mb": ("comm.bucket_mb", 25.0),
     "eval_every": ("train.eval_every", 4.0),
+    "optimizer": ("optim.name (its state in the memory per device)", "sgd"),
 }
 
 
@@ -79,6 +80,8 @@ def _parser() -> ArgumentParser:
     a("--train-size", "--dataset-size", dest="train_size", type=int, default=None,
       help="data.train_size: training images per epoch (default ImageNet-1k's 1,281,167)")
     a("--precision", default=None, help="train.precision: fp16, bf16 or fp32 (default fp16)")
+    a("--optimizer", default=None, choices=("sgd", "lars", "lamb"),
+      help="optim.name: its state counts in the memory per device (default sgd, with momentum)")
     a("--stack", default=None,
       help="software stack: its factor on the device's speed (see --list; default: largebatch's own where measured "
            "on the device at the precision, else the newest MLPerf release with a figure for the device)")
@@ -118,7 +121,7 @@ def recipe_values(recipe: str) -> dict[str, Any]:
     out: dict[str, Any] = dict(model=cfg.model.name, stem=stem, width=cfg.model.width, image_size=size,
                                global_batch=cfg.batch.global_batch, precision=cfg.train.precision,
                                algorithm=cfg.comm.algorithm, bucket_mb=cfg.comm.bucket_mb,
-                               eval_every=float(cfg.train.eval_every))
+                               eval_every=float(cfg.train.eval_every), optimizer=cfg.optim.name)
     ens = cfg.ensemble
     out["epochs"] = float(cfg.schedule.epochs + (ens.cycles * ens.cycle_epochs if ens.cycles > 0 else 0))
     if d.dataset in ("fashion_mnist", "idx"):
@@ -179,6 +182,34 @@ def _kwargs(args, v: dict[str, Any]) -> dict:
                 inter=v["inter"])
 
 
+def _memory(args, v: dict[str, Any], kw: dict) -> dict:
+    """Memory per device from the catalog (`memory_gb`, with its source) and the estimate of largebatch/memory.py
+    for this model, resolution, precision and optimizer (momentum 0.9, no EMA): the micro-batch cap
+    that `batch.micro_batch: auto` would choose, or one sentence when not even the model's state fits. Devices
+    without a memory figure (the CPUs) are not checked."""
+    import torch
+
+    from largebatch import memory
+    from largebatch.models import build_model
+    from largebatch.perf.catalog import load_catalog
+
+    entry = load_catalog()["devices"].get(args.device, {})
+    if "memory_gb" not in entry:
+        return {}
+    sizes = [v["image_size"], *(size for _, size in (v["resolution_phases"] or []))]
+    with torch.device("meta"):
+        net = build_model(v["model"], num_classes=v["num_classes"], in_channels=v["in_channels"], stem=v["stem"],
+                          width=v["width"])
+    source = f"{entry.get('name', args.device)}: {entry.get('memory_gb_source', 'the catalog')}"
+    est = memory.estimate_net(net, in_channels=v["in_channels"], image_size=max(sizes), precision=v["precision"],
+                              optimizer=v["optimizer"], momentum=0.9, ema=False, device_type="cuda",
+                              device_bytes=int(float(entry["memory_gb"]) * 1e9), source=source)
+    batches = [gb for _, gb in (v["batch_phases"] or [])] or [v["global_batch"]]
+    cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1))
+    micro, _ = memory.split(max(batches) // max(args.devices, 1), cap)
+    return {"micro_cap": cap, "memory_note": est.describe(micro)}
+
+
 def _hms(s: float) -> str:
     if s < 120:
         return f"{s:.1f} s"
@@ -213,7 +244,10 @@ def _show(p: Prediction, recipe: str | None = None) -> None:
             ("step", f"{p.step_time_s * 1e3:.2f} ms: compute {p.compute_time_s * 1e3:.2f} ms, communication "
                      f"{p.comm_time_s * 1e3:.2f} ms of which {p.exposed_comm_s * 1e3:.2f} ms exposed"
                      + (f", data wait {p.data_time_s * 1e3:.2f} ms" if p.data_time_s else "")),
-            ("per-device batch", f"{p.per_device_batch} (global {p.global_batch}, {p.image_size} px)"),
+            ("per-device batch", f"{p.per_device_batch} (global {p.global_batch}, {p.image_size} px)"
+                                 + (f" as {p.accumulation} micro-batches of {p.micro_batch} that fit the device "
+                                    "(batch.micro_batch auto)" if p.accumulation > 1 else "")),
+            *([("memory per device", p.memory)] if p.memory else []),
             ("gradient", f"{p.gradient_bytes / 2**20:.1f} MiB in {p.buckets} buckets"),
             ("device-hours", f"{p.device_hours:,.1f}"),
             ("stack", f"{p.stack} ({how}); another with --stack NAME (largebatch plan --list)")]
@@ -399,6 +433,7 @@ def main(argv: list[str]) -> int:
             print(f"\n{ok} of {n} validation rows within 25% of the published figure.")
         return 0
     kw = _kwargs(args, v)
+    kw.update(_memory(args, v, kw))
     if args.sweep:
         return _sweep(args, kw)
     p = predict(**kw)

@@ -47,6 +47,7 @@ from typing import Any
 
 from largebatch.algorithms import ALLREDUCE, MODEL_ONLY
 from largebatch.errors import UserError
+from largebatch.memory import split
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
 from largebatch.perf.catalog import DEFAULT_STACK, Device, default_stack, get_device, get_link, stack_factor
 from largebatch.perf.flops import model_cost
@@ -103,6 +104,9 @@ class Prediction:
     data_total_s: float = 0.0
     image_size: int = 224
     phases: list[dict[str, Any]] = field(default_factory=list)
+    micro_batch: int = 0              # images of one forward pass per device, and passes per step
+    accumulation: int = 1
+    memory: str = ""                  # memory per device at that micro-batch (largebatch/memory.py), where known
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -157,10 +161,12 @@ def overlap(backward_s: float, comm_s: list[float], sizes: list[int], enabled: b
 
 
 def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str, sizes: list[int],
-          do_overlap: bool, torus_x: int | None, inter: str = "halving_doubling") -> tuple[float, float, float, float]:
-    """(compute, comm, exposed, compute + exposed) seconds for per-device batch `b` on `topo`."""
+          do_overlap: bool, torus_x: int | None, inter: str = "halving_doubling", accumulation: int = 1
+          ) -> tuple[float, float, float, float]:
+    """(compute, comm, exposed, compute + exposed) seconds for per-device batch `b` on `topo`, in `accumulation`
+    forward and backward passes."""
     t_img = 3.0 * fwd_flops / (dev.peak_flops * dev.eff_max)     # 1.
-    t_c = t_img * (b + dev.b_half)
+    t_c = t_img * (b + accumulation * dev.b_half)
     cache: dict[int, float] = {}
     comm = []
     for s in sizes:                                                # 3.
@@ -198,8 +204,10 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
             purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000,
             stack: str | None = None, batch_phases: list[tuple[float, int]] | None = None,
             resolution_phases: list[tuple[float, int]] | None = None, data_images_per_s: float | None = None,
-            inter: str = "halving_doubling") -> Prediction:
-    """Predict one training plan (steps 1-10); impossible plans raise UserError."""
+            inter: str = "halving_doubling", micro_cap: int | None = None, memory_note: str = "") -> Prediction:
+    """Predict one training plan (steps 1-10); impossible plans raise UserError. `micro_cap`: the most images of
+    one forward pass that fit a device (largebatch/memory.py); a larger per-device batch runs as equal
+    micro-batches (gradient accumulation), each paying the per-pass overhead b_half."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
     if precision not in BYTES_PER_ELEMENT:
@@ -267,14 +275,16 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         fwd = cost.forward_flops if size == image_size else model_cost(model, size, in_channels, num_classes, stem,
                                                                           width).forward_flops
         b = gb // devices
-        t_c, comm, exposed, busy = _step(dev, fwd, b, topo, algorithm, sizes, overlap_comm, torus_x, inter)
-        node_busy = _step(dev, fwd, b, node_topo, algorithm, sizes, overlap_comm, node_x, inter)[3]
+        micro, acc = split(b, micro_cap)
+        t_c, comm, exposed, busy = _step(dev, fwd, b, topo, algorithm, sizes, overlap_comm, torus_x, inter, acc)
+        node_busy = _step(dev, fwd, b, node_topo, algorithm, sizes, overlap_comm, node_x, inter, acc)[3]
         wait = 0.0 if data_images_per_s is None else max(0.0, b / data_images_per_s - busy)   # 5.
         step = busy + wait
         n_eval = sum(1 for m in marks if start < m <= end + 1e-9)      # 7.
         eval_s = n_eval * (math.ceil(eval_images / gb) * t_c / 3.0 + count_s)
         steps = (end - start) * dataset_size / gb                       # 8.
         rows.append(dict(start_epoch=start, end_epoch=end, global_batch=gb, image_size=size, per_device_batch=b,
+                         micro_batch=micro, accumulation=acc,
                          forward_flops=fwd, compute_time_s=t_c, comm_time_s=comm, exposed_comm_s=exposed,
                          data_time_s=wait, step_time_s=step, node_busy_s=node_busy, images_per_s=gb / step,
                          steps=steps, eval_time_s=eval_s, time_s=steps * step + eval_s))
@@ -311,4 +321,5 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         compute_total_s=sum(r["steps"] * r["compute_time_s"] for r in rows),
         exposed_comm_total_s=sum(r["steps"] * r["exposed_comm_s"] for r in rows),
         data_total_s=sum(r["steps"] * r["data_time_s"] for r in rows), image_size=main["image_size"],
+        micro_batch=main["micro_batch"], accumulation=main["accumulation"], memory=memory_note,
         phases=[{k: v for k, v in r.items() if k != "node_busy_s"} for r in rows] if len(rows) > 1 else [])
