@@ -79,6 +79,9 @@ class ModelConfig(Section):
                              "or auto (small when data.image_size <= 64)")
     zero_init_residual: bool = _doc(True, "zero-init the last BN gamma of each residual block (Goyal)")
     width: int = _doc(64, "channels of the first stage (64 for the standard ResNets)")
+    bn_batch: Optional[int] = _doc(None, "BatchNorm statistics over groups of this many images of each forward "
+                                         "batch (ghost BN; Goyal et al.: 32; null: the whole forward batch; "
+                                         "largebatch/models/ghost_bn.py)")
 
     def validate(self) -> None:
         super().validate()
@@ -740,7 +743,7 @@ def _upgrade_saved(data: dict) -> dict:
 
 
 # Numeric keys checked by `validate`: > 0, and >= 0.
-POSITIVE = ("model.width", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset", "data.val_split",
+POSITIVE = ("model.width", "model.bn_batch", "data.image_size", "data.synthetic_size", "data.train_size", "data.subset", "data.val_split",
             "batch.global_batch", "batch.micro_batch", "batch.accumulation",
             "optim.lr", "optim.reference_batch", "optim.trust_coefficient", "optim.lamb_eps",
             "schedule.epochs", "schedule.gamma", "schedule.power",

@@ -49,7 +49,7 @@ def test_a_recipe_equals_the_same_plan_given_by_flags():
                       "--precision", r["train"]["precision"], "--optimizer", r["optim"]["name"],
                       "--eval-every", 1)   # train.eval_every's default: the recipe evaluates every epoch
     assert from_recipe == flags
-    assert from_recipe["global_batch"] == 32768 and from_recipe["epochs"] == 90 and from_recipe["devices"] == 512
+    assert from_recipe["global_batch"] == 32768 and from_recipe["epochs"] == 100 and from_recipe["devices"] == 512
     # a flag overrides the recipe's value of the same name
     over = plan_json(path, *common, "--global-batch", 16384)
     assert over["global_batch"] == 16384 and over["per_device_batch"] == 32

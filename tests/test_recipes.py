@@ -14,13 +14,16 @@ from largebatch.commands.train import dry_run
 pytestmark = pytest.mark.timeout(120)
 IMAGENET = 1281167
 
-# recipe -> (optimizer, global batches per phase, peak lr per phase, warm-up epochs, weight decay, epochs)
+# recipe -> (optimizer, global batches per phase, peak lr per phase, warm-up epochs, weight decay, epochs), each from
+# the source its recipe names: Goyal et al. sections 2-5; the LARS paper's Table 4 row at 32K; Sony's 224 s run
+# (secondary sources; lr and weight decay not available); the Collapsed Ensemble authors' released recipe (lr,
+# warm-up, weight decay; the epoch split not available); MLPerf's resnet_ref_32768 (epochs: where its runs converged)
 PAPERS = {
     "imagenet_resnet50_goyal_8k": ("sgd", [8192], [3.2], 5, 1e-4, 90),
-    "imagenet_resnet50_lars_32k": ("lars", [32768], [29.0], 5, 1e-4, 90),
+    "imagenet_resnet50_lars_32k": ("lars", [32768], [40.0], 12, 5e-4, 100),
     "imagenet_resnet50_sony_batch_control": ("lars", [34816, 69632], [13.6, 27.2], 5, 5e-5, 90),
-    "imagenet_resnet50_collapsed_ensemble": ("sgd", [4096], [1.6], 5, 1e-4, 72),
-    "imagenet_resnet50_mlperf_lars": ("lars", [32768], [24.0], 5, 5e-5, 41),
+    "imagenet_resnet50_collapsed_ensemble": ("sgd", [4096], [1.6], 5, 5e-5, 72),
+    "imagenet_resnet50_mlperf_lars": ("lars", [32768], [21.2], 16, 2.5e-5, 57),
 }
 
 
@@ -52,9 +55,15 @@ def test_paper_specifics():
     assert [(g["kind"], g["start_epoch"], g["collapse_epoch"], g["end_epoch"]) for g in ce["ensemble"]] == [
         ("base", 0, 31, 36), ("cycle", 36, 49, 54), ("cycle", 54, 67, 72)]
     cfg = config_mod.load("imagenet_resnet50_collapsed_ensemble")
-    assert cfg.ensemble.collapse_wd_factor == 2.0 and cfg.ensemble.collapse_epochs == 5
+    assert cfg.ensemble.collapse_wd_factor == 4.0 and cfg.ensemble.collapse_epochs == 5   # 5e-5 -> 2e-4
+    assert cfg.optim.nesterov is False   # the released recipe's plain momentum
     lars = config_mod.load("imagenet_resnet50_lars_32k")
     assert lars.optim.trust_coefficient == 0.001 and lars.schedule.decay == "poly" and lars.schedule.power == 2
+    assert config_mod.load("imagenet_resnet50_goyal_8k").model.bn_batch == 32   # section 2.3: n = 32
+    mlperf = config_mod.load("imagenet_resnet50_mlperf_lars")
+    assert (mlperf.optim.momentum, mlperf.model.bn_batch, mlperf.schedule.end_lr, mlperf.train.label_smoothing) == (
+        0.94, 128, 1e-4, 0.1)
+    assert config_mod.load("imagenet_resnet50_sony_batch_control").train.label_smoothing == 0.0   # not the 122 s run's
 
 
 def test_dry_run_cli_prints_phases(cli):

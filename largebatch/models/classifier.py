@@ -74,6 +74,13 @@ def build_classifier(cfg: Config, info, device: torch.device | None = None, chan
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
     model.built = built.record()
     model.notes = [built.note] if built.note else []
+    if cfg.model.bn_batch:
+        from largebatch.models.ghost_bn import apply_bn_batch
+
+        other = apply_bn_batch(net, cfg.model.bn_batch)
+        if other:
+            model.notes.append(f"model.bn_batch {cfg.model.bn_batch} applies to torch's BatchNorm2d layers; "
+                               f"{len(other)} BN layers of other classes keep the whole batch (e.g. {other[0]}).")
     if ":" in cfg.model.name and (cfg.model.width != 64 or cfg.model.stem != "auto"):
         model.notes.append(f"model.width {cfg.model.width} and model.stem {cfg.model.stem} apply to largebatch's own "
                            f"models; {cfg.model.name} is built by its own constructor, which ignores them.")
