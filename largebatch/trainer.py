@@ -1,7 +1,7 @@
 """The training loop: synchronous data-parallel SGD with the large-batch recipe.
 
 `Trainer.__init__` reads top to bottom in the order things are built:
-device and process group -> data -> run directory -> step plan -> what a resume changes -> model ->
+device and process group -> data -> step plan -> run directory -> what a resume changes -> model ->
 DDP and comm hook -> optimizer -> precision -> checkpoint restore. `fit()` runs the steps.
 
 The loop is `while step < total: train_step(); log(); maybe_evaluate(); maybe_checkpoint()`:
@@ -100,12 +100,8 @@ class Trainer:
                                                 local_workers=self.info.local_world_size,
                                                 device_type=self.device.type, device=self.device)
 
-        # 3. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
-        self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
-                                                default_name=Path(cfg.recipe).stem, store=self.store)
-        self.ckpt_dir = self.run_dir / "checkpoints"
-
-        # 4. the step plan: phases, accumulation, lr per step; the batch source that follows it
+        # 3. the step plan: phases, accumulation, lr per step; the batch source that follows it (before the run
+        # directory: a batch that does not split is one sentence and leaves nothing behind)
         self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
                          train_size=len(self.train_data), ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
         split = [p for p in self.plan.phases if p.accumulation > 1]
@@ -116,6 +112,11 @@ class Trainer:
                   f"micro-batch): {self.memory.describe(p.micro_batch)}.", file=sys.stderr, flush=True)
         self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
         self.batches = BatchSource(self.plan, self.train_data, self.info.rank, self.info.world_size, t.seed)
+
+        # 4. run directory (rank 0 decides and locks it, everyone agrees; largebatch/rundir.py)
+        self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
+                                                default_name=Path(cfg.recipe).stem, store=self.store)
+        self.ckpt_dir = self.run_dir / "checkpoints"
 
         # 5. what a resume changes: refused before anything is built or written, or accepted (recorded below)
         found = checkpoint.latest(self.ckpt_dir, warn=self._say) if resume else None

@@ -91,3 +91,34 @@ def test_a_run_keeps_its_class_names_and_counts_and_evaluate_refuses_shifted_lab
     proc = cli("evaluate", run)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "differ from those this run was trained with" in proc.stderr and "first difference at label 0" in proc.stderr
+
+
+@pytest.mark.slow   # subprocesses: make test, not make test-fast
+@pytest.mark.parametrize("case", ["missing image", "unknown class", "no labels", "micro-batch conflict"])
+def test_bad_imagenet_input_is_one_sentence_exit_2_and_nothing_written(tmp_path, cli, case):
+    from conftest import user_error
+
+    root, wnids = ilsvrc(tmp_path / "data")
+    labels = tmp_path / "labels.txt"
+    sets = [f"data.root={root}", "data.image_size=24", "data.loader_workers=0", "batch.global_batch=8",
+            "train.max_steps=1", "model.width=4"]
+    if case == "missing image":
+        labels.write_text("".join(f"ILSVRC2012_val_{n:08d} {wnids[0]}\n" for n in range(1, 8)))
+        sets.append(f"data.val_labels={labels}")
+        fragment = "labels 1 image(s) that"
+    elif case == "unknown class":
+        labels.write_text("".join(f"ILSVRC2012_val_{n:08d} n99999999\n" for n in range(1, 7)))
+        sets.append(f"data.val_labels={labels}")
+        fragment = "names class(es) ['n99999999'] that train/ does not have"
+    elif case == "no labels":
+        (tmp_path / "data" / "LOC_val_solution.csv").unlink()
+        fragment = "no label file was found; set data.val_labels"
+    else:
+        sets += ["batch.micro_batch=2", "batch.accumulation=3"]
+        fragment = "batch.micro_batch = 2 and batch.accumulation = 3 make 6 images per worker"
+    run = tmp_path / "run"
+    args = ["train", "fashion_mnist", "--run-dir", run, "--set", "data.dataset=imagefolder"]
+    for s in sets:
+        args += ["--set", s]
+    user_error(cli(*args), fragment)
+    assert not run.exists()
