@@ -137,6 +137,32 @@ class BatchPhase(Item):
 
 
 @dataclass
+class EnsembleSegment(Item):
+    """Collapsed Ensemble on a schedule of its own (`ensemble.segments`, after the base run): a segment that
+    re-warms and decays, or a collapse."""
+
+    epochs: float = _required("length of this segment in epochs", bounds="> 0")
+    collapse: bool = _doc(False, "a collapse: augmentation off, weight decay x ensemble.collapse_wd_factor, lr poly-2 "
+                                 "from where the previous segment ended to zero, then a snapshot")
+    peak_factor: float = _doc(1.0, "a segment's peak lr as a fraction of the base run's peak lr", bounds="(0, 100]")
+    rewarm_epochs: float = _doc(0.0, "linear re-warm-up from where the previous segment ended to the peak",
+                                bounds=">= 0")
+    end_factor: float = _doc(0.0, "lr at the segment's end as a fraction of its peak (poly-2 decay over a horizon "
+                                  "that ends there: 0 decays to zero, 0.25 stops half-way)", bounds="[0, 1)")
+
+    def validate(self, where: str) -> None:
+        if not (_is_number(self.epochs) and self.epochs > 0):
+            raise UserError(f"{where}.epochs is {self.epochs!r}; give a positive number of epochs.")
+        if not 0 < self.peak_factor <= 100:
+            raise UserError(f"{where}.peak_factor is {self.peak_factor!r}; give a fraction of the base peak lr in (0, 100].")
+        if not 0 <= self.rewarm_epochs < self.epochs:
+            raise UserError(f"{where}.rewarm_epochs is {self.rewarm_epochs!r}; give 0 or more epochs, fewer than the "
+                            f"segment's {self.epochs}.")
+        if not 0 <= self.end_factor < 1:
+            raise UserError(f"{where}.end_factor is {self.end_factor!r}; give a fraction in [0, 1).")
+
+
+@dataclass
 class DataConfig(Section):
     dataset: str = _choices("fashion_mnist", "idx", "imagefolder", "shards", "synthetic", "webdataset",
                             doc="data source (webdataset: tar shards as published, largebatch/data/wds.py)")
@@ -265,9 +291,14 @@ class ScheduleConfig(Section):
     gamma: float = _doc(0.1, "step decay factor", bounds="(0, 1]")
     power: float = _doc(2.0, "poly decay power (LARS uses 2)")
     end_lr: float = _doc(0.0, "lr at the end of poly/cosine decay (at most the peak lr)")
+    decay_epochs: Optional[float] = _doc(None, "the epoch poly/cosine decay would reach end_lr at, when training stops "
+                                               "earlier (null: schedule.epochs); e.g. a 60-epoch horizon stopped at 25")
 
     def validate(self) -> None:
         super().validate()
+        if self.decay_epochs is not None and not self.warmup_epochs < self.decay_epochs:
+            raise UserError(f"schedule.decay_epochs ({self.decay_epochs}) must be after the warm-up "
+                            f"({self.warmup_epochs} epochs); give a later horizon or null.")
         if self.epochs > MAX_EPOCHS:   # 1e300 planned an endless run, the steps counted in float
             raise UserError(f"schedule.epochs is {self.epochs:g}; give at most {MAX_EPOCHS:,} epochs.")
         if self.warmup_epochs > self.epochs:
@@ -372,9 +403,21 @@ class EnsembleConfig(Section):
     collapse_epochs: float = _doc(1.0, "collapse: augmentation off, weight decay x factor, lr poly-2 to zero")
     collapse_wd_factor: float = _doc(2.0, "weight-decay multiplier during a collapse")
     swa: bool = _doc(False, "also report the weight average of the snapshots (BN statistics recomputed)")
+    segments: list[EnsembleSegment] = _doc([], "instead of cycles: segments of their own lengths, peaks and "
+                                               "re-warm-ups after the base run, and collapses only where given "
+                                               "(the authors' released schedules); the base run then ends without "
+                                               "a collapse")
 
     def validate(self) -> None:
         super().validate()
+        if self.segments and self.cycles:
+            raise UserError(f"ensemble.segments and ensemble.cycles ({self.cycles}) both describe what follows the base "
+                            "run; give one of them (set ensemble.cycles to 0 with segments).")
+        if self.segments and not any(seg.collapse for seg in self.segments):
+            raise UserError("ensemble.segments has no collapse, so the run would take no snapshot; end it with a "
+                            "segment with collapse: true.")
+        if len(self.segments) > MAX_CYCLES:
+            raise UserError(f"ensemble.segments has {len(self.segments)} segments; give at most {MAX_CYCLES}.")
         if self.cycles > MAX_CYCLES:   # before the plan, which builds a segment per cycle
             raise UserError(f"ensemble.cycles is {self.cycles}; give at most {MAX_CYCLES} cycles (0 = off).")
         if self.cycle_epochs > MAX_EPOCHS:   # 1e300 lost the collapse to rounding: "use longer cycles"
@@ -750,7 +793,7 @@ POSITIVE = ("model.width", "model.bn_batch", "data.image_size", "data.synthetic_
             "train.threads", "train.device_memory_gb", "train.max_steps", "train.log_every", "train.keep_checkpoints",
             "comm.bucket_mb", "comm.timeout_s", "comm.pipeline", "comm.local_size",
             "ensemble.cycle_epochs", "ensemble.cycle_lr_factor", "ensemble.collapse_wd_factor")
-NON_NEGATIVE = ("data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.lars_eps",
+NON_NEGATIVE = ("schedule.decay_epochs", "data.crop_padding", "data.loader_workers", "optim.weight_decay", "optim.lars_eps",
                 "schedule.warmup_epochs", "schedule.warmup_start_lr", "schedule.end_lr",
                 "train.seed", "train.eval_every", "train.checkpoint_every", "train.max_nonfinite", "comm.small_bytes",
                 "ensemble.cycles", "ensemble.rewarm_epochs", "ensemble.collapse_epochs")

@@ -110,9 +110,8 @@ def device_memory(device_type: str, device: torch.device | None, local_workers: 
     if given_gib is not None:
         return int(given_gib * GIB), f"train.device_memory_gb {given_gib:g}"
     if device_type == "cuda" and device is not None and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        share = props.total_memory // max(1, min(local_workers, 1))   # one worker per GPU
-        return share, f"{props.name}, torch.cuda.get_device_properties"
+        props = torch.cuda.get_device_properties(device)   # one worker per GPU (torchrun's layout)
+        return props.total_memory, f"{props.name}, torch.cuda.get_device_properties"
     available = _available_cpu_bytes()
     return available // max(local_workers, 1), f"the CPU's available memory / {max(local_workers, 1)} local workers"
 

@@ -32,6 +32,13 @@ from typing import NamedTuple, Optional
 from largebatch.errors import UserError
 
 
+def ensemble_epochs(e) -> float:
+    """Epochs the Collapsed Ensemble adds after the base run (config.EnsembleConfig): its cycles or segments."""
+    if e.segments:
+        return float(sum(g.epochs for g in e.segments))
+    return e.cycles * e.cycle_epochs if e.cycles > 0 else 0.0
+
+
 def scaled_lr(lr: float, global_batch: int, reference_batch: int = 256, rule: str = "linear") -> float:
     """Peak lr for `global_batch` from an lr given for `reference_batch` images."""
     ratio = global_batch / reference_batch
@@ -94,13 +101,16 @@ class Phase:
 
 @dataclass(frozen=True)
 class Segment:
-    """Collapsed Ensemble: the base run or one cycle, ending in a collapse and a snapshot."""
-    kind: str                 # "base" or "cycle"
+    """Collapsed Ensemble: the base run or one cycle, ending in a collapse and a snapshot; or, with
+    `ensemble.segments`, a segment of its own (no collapse, no snapshot) or a collapse (the whole segment)."""
+    kind: str                 # "base", "cycle", "segment" or "collapse"
     start_step: int
-    collapse_step: int        # first step of the collapse
-    end_step: int             # exclusive; the snapshot is taken after step end_step - 1
-    rewarm_steps: int         # cycles: linear re-warm-up steps
+    collapse_step: int        # first step of the collapse (end_step: none)
+    end_step: int             # exclusive; a snapshot is taken after step end_step - 1 where there is a collapse
+    rewarm_steps: int         # cycles and segments: linear re-warm-up steps
     peak_lr: float
+    start_lr: float = 0.0     # segments: where the re-warm-up starts; collapses: where the poly-2 descent starts
+    end_factor: float = 0.0   # segments: the lr at the end as a fraction of the peak
 
 
 class _OnePhase(NamedTuple):
@@ -161,8 +171,9 @@ class Plan:
         self.world_size = world_size
         self.train_size = train_size
         self.base_epochs = schedule_cfg.epochs
-        self.ensemble = ensemble_cfg if ensemble_cfg is not None and ensemble_cfg.cycles > 0 else None
-        self.epochs = self.base_epochs + (self.ensemble.cycles * self.ensemble.cycle_epochs if self.ensemble else 0)
+        self.ensemble = ensemble_cfg if ensemble_cfg is not None and (ensemble_cfg.cycles > 0 or
+                                                                      ensemble_cfg.segments) else None
+        self.epochs = self.base_epochs + (ensemble_epochs(self.ensemble) if self.ensemble else 0)
         self.start_lr = optim_cfg.lr if schedule_cfg.warmup_start_lr is None else schedule_cfg.warmup_start_lr
         one = [_OnePhase(0, batch_cfg.global_batch, None)]   # no phases: one global batch throughout
         raw = sorted(batch_cfg.phases or one, key=lambda p: p.start_epoch)   # config.BatchPhase
@@ -214,6 +225,8 @@ class Plan:
     def _segments(self) -> list["Segment"]:
         e = self.ensemble
         assert e is not None   # called only with an ensemble
+        if e.segments:
+            return self._own_segments()
         s = self.schedule
         if e.cycles < 0 or e.collapse_epochs <= 0 or e.rewarm_epochs < 0 or e.cycle_lr_factor <= 0 \
                 or e.collapse_wd_factor < 0:
@@ -240,6 +253,36 @@ class Plan:
                                 "re-warm-up, decay and collapse at this batch size; use longer cycles or a smaller batch.")
         return segs
 
+    def _own_segments(self) -> list["Segment"]:
+        """`ensemble.segments`: the base run (no collapse), then each segment in turn; a segment re-warms from where
+        the previous one ended to its peak and decays poly-2 to `end_factor` x its peak; a collapse descends poly-2
+        from where the previous one ended to zero."""
+        e = self.ensemble
+        assert e is not None
+        base_end = self.step_at_epoch(self.base_epochs)
+        base_peak = self.phases[-1].peak_lr
+        segs = [Segment("base", 0, base_end, base_end, 0, base_peak)]
+        end_lr = self._segment_lr(segs[0], base_end - 1)   # where the base run stopped
+        epoch = float(self.base_epochs)
+        for i, g in enumerate(e.segments):
+            start, end = self.step_at_epoch(epoch), self.step_at_epoch(epoch + g.epochs)
+            epoch += g.epochs
+            if end <= start:
+                raise UserError(f"ensemble.segments[{i}] ({g.epochs:g} epochs) has no step at this batch size; give "
+                                "it more epochs or use a smaller batch.")
+            if g.collapse:
+                segs.append(Segment("collapse", start, start, end, 0, end_lr, start_lr=end_lr))
+                end_lr = 0.0
+                continue
+            peak = base_peak * g.peak_factor
+            segs.append(Segment("segment", start, end, end, self.step_at_epoch(epoch - g.epochs + g.rewarm_epochs) - start,
+                                peak, start_lr=end_lr, end_factor=g.end_factor))
+            end_lr = peak * g.end_factor
+        last = segs[-1]
+        segs[-1] = dataclasses.replace(last, end_step=self.total_steps,
+                                       collapse_step=last.start_step if last.kind == "collapse" else self.total_steps)
+        return segs
+
     def segment_at(self, step: int) -> "Segment":
         i = bisect.bisect_right([g.start_step for g in self.segments], step) - 1
         return self.segments[max(i, 0)]
@@ -256,15 +299,22 @@ class Plan:
 
     def snapshot_steps(self) -> list[int]:
         """Steps (counted after the step) at which a collapsed snapshot is saved."""
-        return [g.end_step for g in self.segments]
+        return [g.end_step for g in self.segments if g.collapse_step < g.end_step]
 
     def _segment_lr(self, seg: "Segment", step: int) -> float:
         if seg.kind == "base":
             s = self.schedule
             return lr_at_epoch(self.epoch_float(step), peak_lr=self.phase_at(step).peak_lr, start_lr=self.start_lr,
-                               warmup_epochs=s.warmup_epochs, epochs=s.epochs, decay=s.decay,
+                               warmup_epochs=s.warmup_epochs, epochs=s.decay_epochs or s.epochs, decay=s.decay,
                                milestones=tuple(s.milestones), gamma=s.gamma, power=s.power, end_lr=s.end_lr)
+        if seg.kind == "collapse":                    # descends from where the previous segment ended
+            return seg.start_lr
         k = step - seg.start_step
+        if seg.kind == "segment":
+            if k < seg.rewarm_steps:                  # linear from where the previous segment ended
+                return seg.start_lr + (seg.peak_lr - seg.start_lr) * (k + 1) / seg.rewarm_steps
+            t = (k - seg.rewarm_steps) / (seg.end_step - seg.start_step - seg.rewarm_steps)
+            return seg.peak_lr * (1.0 - t * (1.0 - math.sqrt(seg.end_factor))) ** 2   # poly-2 to end_factor x peak
         if k < seg.rewarm_steps:                      # re-warm-up, never a zero-lr step
             return seg.peak_lr * (k + 1) / seg.rewarm_steps
         t = (k - seg.rewarm_steps) / (seg.end_step - seg.start_step - seg.rewarm_steps)
@@ -294,7 +344,7 @@ class Plan:
         s = self.schedule
         phase = self.phase_at(step)
         return lr_at_epoch(self.epoch_float(step), peak_lr=phase.peak_lr, start_lr=self.start_lr,
-                           warmup_epochs=s.warmup_epochs, epochs=s.epochs, decay=s.decay,
+                           warmup_epochs=s.warmup_epochs, epochs=s.decay_epochs or s.epochs, decay=s.decay,
                            milestones=tuple(s.milestones), gamma=s.gamma, power=s.power, end_lr=s.end_lr)
 
     def epoch_end_steps(self) -> list[int]:

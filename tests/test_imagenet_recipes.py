@@ -39,6 +39,7 @@ CASES = {
     "mlperf_lars": (16, 3, 6),             # 32768 -> 16; label smoothing 0.1
     "sony_batch_control": (8, 9, 12),      # 34816 -> 69632 at epoch 5 becomes 8 -> 16: the resume crosses it (step 10)
     "collapsed_ensemble": (16, 40, None),  # 4096 -> 16: 72 steps; snapshot 1 at 36 in the first run, 2 and 3 after
+    "collapsed_released": (16, 30, None),  # 4096 -> 16: 72 steps; one snapshot, after the collapse (67-71)
 }
 
 
@@ -128,6 +129,9 @@ def test_recipe_trains_evaluates_checkpoints_and_resumes(cli, tmp_path, imagenet
         ensembles = [r for r in records if r["kind"] == "ensemble"]
         assert [len(r["snapshots"]) for r in ensembles] == [1, 3], ensembles   # the first run stopped at 40
         assert "swa_top1" in ensembles[-1] and summary["ensemble_top1"] == ensembles[-1]["ensemble_top1"]
+    if name == "collapsed_released":   # segments of their own and one collapse: one snapshot, at the very end
+        assert plan.snapshot_steps() == [72] and _steps(run / "snapshots") == [72]
+        assert [plan.in_collapse(k) for k in (66, 67, 71)] == [False, True, True]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -24,6 +24,7 @@ PAPERS = {
     "imagenet_resnet50_sony_batch_control": ("lars", [34816, 69632], [13.6, 27.2], 5, 5e-5, 90),
     "imagenet_resnet50_collapsed_ensemble": ("sgd", [4096], [1.6], 5, 5e-5, 72),
     "imagenet_resnet50_mlperf_lars": ("lars", [32768], [21.2], 16, 2.5e-5, 57),
+    "imagenet_resnet50_collapsed_released": ("sgd", [4096], [1.6], 5, 5e-5, 72),
 }
 
 
@@ -73,7 +74,8 @@ def test_dry_run_cli_prints_phases(cli):
     assert "batch phases" in proc.stdout
 
 
-@pytest.mark.parametrize("stem", ["goyal_8k", "lars_32k", "sony_batch_control", "collapsed_ensemble", "mlperf_lars"])
+@pytest.mark.parametrize("stem", ["goyal_8k", "lars_32k", "sony_batch_control", "collapsed_ensemble", "mlperf_lars"])   # no
+# Fashion-MNIST counterpart of collapsed_released yet: its study is to come (docs/large_batch.md)
 def test_fashion_mnist_counterparts(stem):
     fm = config_mod.load(f"fashion_mnist_{stem}", ["data.train_size=60000"])
     im = config_mod.load(f"imagenet_resnet50_{stem}")
@@ -108,3 +110,30 @@ def test_lamb_and_sqrt_rule_from_a_recipe():
     assert model.bias.item() == pytest.approx(1.0 - 0.02 * 2.0 / (2.0 + 1e-6))
     cfg_lars = config_mod.load("fashion_mnist_lars_32k")
     assert isinstance(build_optimizer(cfg_lars.optim, model, lr=1.0), LARS)
+
+
+def test_the_released_collapsed_ensemble_schedule_is_the_authors():
+    """sara-nl/caffe's resnet50_custom_lr at 4,096 (312 steps an epoch): base poly-1
+    over a 60-epoch horizon stopped at 25, segments peaking at 1.02, 0.764, 0.572 with 3-epoch re-warm-ups from
+    where the previous one ended, each ending at a quarter of its peak, one collapse from 0.143 to 0 at 4x weight
+    decay, one snapshot."""
+    from largebatch.schedule import Plan
+
+    cfg = config_mod.load("imagenet_resnet50_collapsed_released")
+    plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=128, train_size=IMAGENET, ensemble_cfg=cfg.ensemble)
+    spe = plan.phases[0].steps_per_epoch
+    assert plan.epochs == 72 and plan.snapshot_steps() == [plan.total_steps]
+
+    def lr(epoch):
+        return plan.lr(min(round(epoch * spe), plan.total_steps - 1))
+    assert lr(0) == pytest.approx(0.1) and lr(5) == pytest.approx(1.6)
+    assert lr(25) == pytest.approx(1.02) and lr(37 - 1 / spe) == pytest.approx(0.255, abs=1e-3)
+    assert lr(40) == pytest.approx(0.764, abs=1e-3) and lr(52 - 1 / spe) == pytest.approx(0.191, abs=1e-3)
+    assert lr(55) == pytest.approx(0.572, abs=1e-3) and lr(67) == pytest.approx(0.143, abs=1e-3)
+    assert lr(72) == pytest.approx(0.0, abs=1e-3)
+    assert not plan.in_collapse(round(66.9 * spe)) and plan.in_collapse(round(67 * spe))
+    assert plan.weight_decay_factor(round(68 * spe)) == 4.0 and plan.weight_decay_factor(round(60 * spe)) == 1.0
+    with pytest.raises(config_mod.UserError, match="ensemble.segments has no collapse"):
+        config_mod.load("imagenet_resnet50_collapsed_released", ["ensemble.segments=[{epochs: 5}]"])
+    with pytest.raises(config_mod.UserError, match="give one of them"):
+        config_mod.load("imagenet_resnet50_collapsed_released", ["ensemble.cycles=2"])

@@ -38,7 +38,7 @@ FROM_RECIPE: dict[str, tuple[str, Any]] = {
     "global_batch": ("batch.global_batch", 2048),
     "batch_phases": ("batch.phases", None),
     "resolution_phases": ("data.resolution_phases", None),
-    "epochs": ("schedule.epochs + ensemble.cycles x ensemble.cycle_epochs", 90.0),
+    "epochs": ("schedule.epochs + ensemble.cycles x ensemble.cycle_epochs (or its segments' epochs)", 90.0),
     "precision": ("train.precision", "fp16"),
     "algorithm": ("comm.algorithm", "native"),
     "grid": ("comm.grid", None),
@@ -113,6 +113,7 @@ def recipe_values(recipe: str) -> dict[str, Any]:
     """The plan's values that `recipe` gives (keyed like FROM_RECIPE), read with `largebatch.config.load`, so a
     recipe that `train` refuses is refused here in the same words."""
     from largebatch import config
+    from largebatch.schedule import ensemble_epochs
 
     cfg = config.load(recipe)
     d = cfg.data
@@ -123,7 +124,7 @@ def recipe_values(recipe: str) -> dict[str, Any]:
                                algorithm=cfg.comm.algorithm, bucket_mb=cfg.comm.bucket_mb,
                                eval_every=float(cfg.train.eval_every), optimizer=cfg.optim.name)
     ens = cfg.ensemble
-    out["epochs"] = float(cfg.schedule.epochs + (ens.cycles * ens.cycle_epochs if ens.cycles > 0 else 0))
+    out["epochs"] = float(cfg.schedule.epochs + ensemble_epochs(ens))
     if d.dataset in ("fashion_mnist", "idx"):
         out.update(in_channels=1, num_classes=10, train_size=60000 - (d.val_split or 0))
     elif d.dataset == "synthetic":

@@ -33,7 +33,7 @@ def apply_bn_batch(net: nn.Module, bn_batch: int) -> list[str]:
     for name, module in net.named_modules():
         if type(module) in (nn.BatchNorm2d, GhostBatchNorm2d):
             module.__class__ = GhostBatchNorm2d
-            module.bn_batch = bn_batch   # type: ignore[assignment]
+            module.bn_batch = bn_batch
         elif isinstance(module, nn.modules.batchnorm._BatchNorm):
             other.append(f"{name} ({type(module).__name__})")
     return other
