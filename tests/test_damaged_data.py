@@ -62,12 +62,12 @@ def test_data_pack_says_what_it_skipped(cli, tmp_path):
     _tree(tmp_path / "if")
     (tmp_path / "if" / "train" / "a" / "notes.txt").write_text("x")
     (tmp_path / "if" / "train" / "README").write_text("x")
-    (tmp_path / "if" / "val" / "b" / "scan.png").write_bytes(b"x")
+    (tmp_path / "if" / "val" / "b" / "scan.pdf").write_bytes(b"x")   # a PNG would be packed: torchvision reads it
     proc = cli("data", "pack", tmp_path / "if", tmp_path / "sh")
     assert proc.returncode == 0, proc.stderr
-    assert (f"train: skipped 2 entries that are not JPEG files (*.jpg, *.jpeg, *.jpe) in a class folder: "
+    assert (f"train: skipped 2 entries that are not images (*.jpg, *.jpeg, *.png, ...) in a class folder: "
             f"{tmp_path / 'if' / 'train' / 'README'}, {tmp_path / 'if' / 'train' / 'a' / 'notes.txt'}") in proc.stdout
-    assert "val: skipped 1 entries" in proc.stdout and "scan.png" in proc.stdout
+    assert "val: skipped 1 entries" in proc.stdout and "scan.pdf" in proc.stdout
 
 
 def test_a_killed_pack_is_cleaned_up_by_the_next_pack_and_a_live_one_is_not(cli, tmp_path):

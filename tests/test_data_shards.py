@@ -519,3 +519,166 @@ def test_a_split_by_index_of_a_shard_source_is_refused(dataset, key):
 
     with pytest.raises(UserError, match=f"^data.{key} picks images by index, which a shard source streams"):
         config.load("fashion_mnist", [f"data.dataset={dataset}", f"data.{key}=100"])
+
+
+# ---- the start-up check in O(shards): the fingerprint data pack records (build 5) ---------------------------------
+
+@pytest.fixture(scope="module")
+def packed_large(tmp_path_factory) -> Path:
+    """Shards of about 128 KiB (150 train samples in a few shards): larger than the 20 KiB of each shard that its
+    fingerprint covers, so a start-up check that reads more than the ends shows."""
+    from largebatch.data import shards
+
+    root = tmp_path_factory.mktemp("packed_large")
+    _tree(root / "if", train=150, val=20)
+    shards.pack(root / "if", root / "sh", shard_bytes=128 * 1024)
+    return root / "sh"
+
+
+class _Reads:
+    """os.pread and os.read calls of a test, in bytes returned, by file descriptor; tarfile's opens (mode 'rb')."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.bytes = 0
+        self.calls = 0
+        pread, read = os.pread, os.read
+
+        def counted_pread(fd, n, offset):
+            data = pread(fd, n, offset)
+            self.bytes += len(data)
+            self.calls += 1
+            return data
+
+        def counted_read(fd, n):
+            data = read(fd, n)
+            self.bytes += len(data)
+            self.calls += 1
+            return data
+
+        monkeypatch.setattr(os, "pread", counted_pread)
+        monkeypatch.setattr(os, "read", counted_read)
+
+        def no_tarfile(*args, **kwargs):
+            raise AssertionError(f"tarfile.open{args} at start-up")
+
+        monkeypatch.setattr(tarfile, "open", no_tarfile)
+
+
+def test_the_start_up_check_reads_o_shards_bytes_no_member_header(packed_large, tmp_path, monkeypatch):
+    """(a) With the fingerprints data pack records, start-up reads each shard's size, first 4 KiB and last 16 KiB:
+    no header walk (neither the direct one nor tarfile's), two reads per shard, a fixed number of bytes per shard
+    whatever it holds. Before build 5 every member header of every shard was read on every rank."""
+    from largebatch.data import shards
+
+    root, index = _copy(packed_large, tmp_path)
+    names = [s["name"] for split in ("train", "val") for s in index["splits"][split]["shards"]]
+    on_disk = sum((root / n).stat().st_size for n in names)
+    assert all({"size", "max_label", "ends"} <= set(s) for split in ("train", "val")
+               for s in index["splits"][split]["shards"])
+
+    def walked(*args):
+        raise AssertionError("a shard was walked at start-up")
+
+    monkeypatch.setattr(shards, "_plain_walk", walked)
+    monkeypatch.setattr(shards, "_tar_walk", walked)
+    reads = _Reads(monkeypatch)
+    train, test, info = build_data(DataConfig(dataset="shards", root=str(root), image_size=16), seed=0)
+    assert (len(train), len(test)) == (150, 20)
+    assert reads.calls == 2 * len(names), reads.calls
+    assert reads.bytes <= len(names) * (4096 + 16384) < on_disk / 2, (reads.bytes, on_disk)
+
+
+def test_a_shard_whose_size_differs_from_the_index_is_walked_and_named_at_start_up(packed_large, tmp_path):
+    """(b) A shard cut short (another size than index.json records) is walked at start-up, alone, and is one
+    sentence naming it and the fix; the other shards are not walked."""
+    from largebatch.data import shards
+
+    root, index = _copy(packed_large, tmp_path)
+    entry = index["splits"]["train"]
+    victim = root / entry["shards"][1]["name"]
+    victim.write_bytes(victim.read_bytes()[: entry["shards"][1]["size"] * 2 // 3])
+    with pytest.raises(UserError) as err:
+        build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)
+    text = str(err.value)
+    assert text.startswith(f"shard {victim} ") and "truncated" in text and text.endswith(
+        "re-pack the ImageFolder with 'largebatch data pack'.") and "\n" not in text, text
+    # Every other shard is taken on its fingerprint; a shard of another size that holds exactly its samples (zero
+    # blocks appended: still a valid tar) is walked and accepted.
+    root, index = _copy(packed_large, tmp_path / "again")
+    entry = index["splits"]["train"]
+    victim = root / entry["shards"][1]["name"]
+    victim.write_bytes(victim.read_bytes() + bytes(10240))
+    assert shards.check_split(root, "train", entry, 3) == [1]
+    assert shards.check_split(root, "val", index["splits"]["val"], 3) == []
+
+
+def test_an_index_listing_other_counts_or_fewer_classes_is_walked_and_named(packed_large, tmp_path):
+    """The fingerprint covers index.json's count and the shard's largest label: an edited count, or a class list
+    cut short, sends the shard to the walk, which names the problem."""
+    root, index = _copy(packed_large, tmp_path)
+    shard = index["splits"]["train"]["shards"][0]
+    _edit_index(root, lambda ix: (ix["splits"]["train"]["shards"][0].update(count=shard["count"] - 1),
+                                  ix["splits"]["train"]["shards"][1].update(
+                                      count=ix["splits"]["train"]["shards"][1]["count"] + 1)))
+    with pytest.raises(UserError, match=f"shard {root / shard['name']} holds {shard['count']} samples but index.json "
+                                        f"lists {shard['count'] - 1}"):
+        build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)
+    root, index = _copy(packed_large, tmp_path / "classes")
+    _edit_index(root, lambda ix: ix.update(classes=ix["classes"][:2]))
+    with pytest.raises(UserError, match="outside 0..1 \\(index.json lists 2 classes\\)"):
+        build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)
+
+
+def test_an_index_without_fingerprints_is_walked_as_before(packed_large, tmp_path):
+    """An index.json written before build 5 (counts only): every shard is walked at start-up, as before, and a
+    damaged one is named there."""
+    from largebatch.data import shards
+
+    root, index = _copy(packed_large, tmp_path)
+    _edit_index(root, lambda ix: [s.pop(k) for split in ix["splits"].values() for s in split["shards"]
+                                  for k in ("size", "max_label", "ends")])
+    index = json.loads((root / "index.json").read_text())
+    entry = index["splits"]["train"]
+    assert shards.check_split(root, "train", entry, 3) == list(range(len(entry["shards"])))
+    _rewrite(root / entry["shards"][0]["name"], _set_label(b"cat"))
+    with pytest.raises(UserError, match="holds b'cat', not a class number"):
+        build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)
+
+
+def _member_at(path: Path, lo: int, hi: int, ext: str) -> tarfile.TarInfo:
+    """A member of `path` named *.ext whose data lies within bytes lo..hi."""
+    with tarfile.open(path) as tar:
+        return next(m for m in tar if m.name.endswith(ext) and lo <= m.offset_data and m.offset_data + m.size <= hi)
+
+
+def test_damage_of_the_same_size_inside_a_shard_passes_start_up_and_the_stream_names_it(packed_large, tmp_path):
+    """(c) What the fingerprint does not cover, a label byte changed in place between a shard's ends (same size,
+    same ends), passes the start-up check; the loader worker that reads the sample names the shard and the
+    member (one sentence, raised by the main process), never a silent wrong label."""
+    root, index = _copy(packed_large, tmp_path)
+    entry = index["splits"]["val"]
+    victim = root / entry["shards"][0]["name"]
+    assert victim.stat().st_size > 4096 + 16384
+    member = _member_at(victim, 4096, victim.stat().st_size - 16384, ".cls")
+    data = bytearray(victim.read_bytes())
+    data[member.offset_data] = ord("x")
+    victim.write_bytes(bytes(data))
+    _, test, _ = build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=2), seed=0)
+    with pytest.raises(UserError) as err:
+        list(test.batches(list(torch.arange(20).split(4)), train=False, epoch=0))
+    text = str(err.value)
+    assert f"shard {victim}: label member {member.name} holds b'x" in text and "re-pack" in text, text
+
+
+def test_the_stream_names_a_shard_holding_more_samples_than_listed(packed_large, tmp_path):
+    """A shard found longer than its count by the stream (its index changed after start-up): one sentence, not a
+    sample dropped silently."""
+    root, index = _copy(packed_large, tmp_path)
+    entry = index["splits"]["val"]
+    entry["shards"][0]["count"] -= 1
+    entry["total"] -= 1
+    src = ShardSource(root, entry, num_classes=3, size=16, min_scale=0.3, seed=1, augment=False, workers=0,
+                      on_corrupt="fail", rank=0, world=1)
+    with pytest.raises(UserError, match=f"shard {root / entry['shards'][0]['name']} holds more than the "
+                                        f"{entry['shards'][0]['count']} samples index.json lists"):
+        list(src.batches(list(torch.arange(entry["total"]).split(4)), train=False, epoch=0))

@@ -65,8 +65,8 @@ def published(tmp_path_factory) -> tuple[Path, list[int], list[int]]:
 
 
 def _cfg(root, **kw) -> DataConfig:
-    return DataConfig(dataset="webdataset", root=str(root), num_classes=CLASSES, image_size=16, min_scale=0.3,
-                      **{"loader_workers": 2, **kw})
+    return DataConfig(dataset="webdataset", root=str(root), image_size=16, min_scale=0.3,
+                      **{"loader_workers": 2, "num_classes": CLASSES, **kw})
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -328,3 +328,38 @@ def test_a_factory_model_trains_resumes_and_evaluates_on_webdataset_shards(publi
         ["--set", "data.dataset=webdataset", "--set", f"data.root={root}", "--set", f"data.num_classes={CLASSES}",
          "--set", "data.image_size=16", "--set", "data.loader_workers=0"], env={"PYTHONPATH": str(TESTS)})
     assert result["model"]["source"].startswith("test_any_model (")
+
+
+def test_indexed_shards_are_not_walked_at_start_up_unless_changed_or_without_fingerprints(published, tmp_path, cli,
+                                                                                          monkeypatch):
+    """`largebatch data index` records each shard's fingerprint (size, largest label, a digest of its ends): start-up
+    takes a matching shard as indexed (no walk), walks one changed since, and walks every shard of a wids list
+    without fingerprints (one as published), as before."""
+    from largebatch.data import wds as W
+
+    root = _indexed(published, tmp_path, cli)
+    index = json.loads((root / "index.json").read_text())
+    assert all({"size", "max_label", "ends"} <= set(e) for e in index["shardlist"]), index["shardlist"][0]
+    walked: list[str] = []
+    walk = W.walk
+
+    def counted(path, num_classes):
+        walked.append(path.name)
+        return walk(path, num_classes)
+
+    monkeypatch.setattr(W, "walk", counted)
+    build_data(_cfg(root), seed=0)
+    assert walked == []
+    with pytest.raises(UserError, match="holds class 3, outside 0..2 \\(data.num_classes is 3\\)"):
+        build_data(_cfg(root, num_classes=3), seed=0)   # a recorded label outside the classes: walked, named
+    walked.clear()
+    _rewrite_member(root / "train-000003.tar", _first(root, "train-000003.tar", "cls"), b"1")
+    build_data(_cfg(root), seed=0)
+    assert walked == ["train-000003.tar"]
+    walked.clear()
+    for entry in index["shardlist"]:
+        for key in ("size", "max_label", "ends"):
+            entry.pop(key)
+    (root / "index.json").write_text(json.dumps(index))
+    build_data(_cfg(root), seed=0)
+    assert sorted(walked) == sorted(p.name for p in root.glob("*.tar"))

@@ -39,20 +39,39 @@ The order of samples within a rank depends on the number of loader workers
 
 Damaged shards (exactly once, or a sentence naming the shard):
 
-6. Start-up: ``check_index`` checks index.json's fields; ``check_split`` walks the tar
-   headers of every shard of both splits (and reads each label's few bytes; no image is
-   decoded; directly for the plain ustar layout ``data pack`` writes, through tarfile for
-   any other layout and for every damaged shard, so tarfile's reading decides): a file
-   that is missing, empty or not an uncompressed tar, a member that is a
+6. Start-up, O(shards) per rank: ``check_index`` checks index.json's fields; ``check_split`` then checks each
+   shard against the fingerprint ``data pack`` recorded beside its count in index.json: ``size`` (bytes),
+   ``max_label`` and ``ends``, the SHA-256 of the count, that label, the shard's first 4 KiB and its last
+   16 KiB (``fingerprint``). One open, one fstat and two small reads per shard, whatever it holds: 1,024
+   ImageNet shards cost what 1,024 small files cost, where walking the 2.56 M member headers cost every rank
+   22-25 s (140 s through tarfile) and a shared file system ranks x 2.56 M header reads. A shard whose
+   fingerprint holds is the file ``data pack`` wrote (its size, its first and last members, the count and
+   labels the index lists), so its keys are the contiguous range pack gave it (a sample's key is its position
+   in the split) and nothing of it is read before the stream reads it.
+   Every other shard is walked as before (``_walk_shard``): a shard of another size or other ends (cut short,
+   copied wrong, appended to, re-tarred, edited), a shard listed with another count or labels beyond
+   ``classes``, a missing file or one that is no regular file, and every shard of an index written before
+   fingerprints (walked each start; re-pack to check in O(shards)). The walk reads the tar headers (and each
+   label's few bytes; no image is decoded; directly for the plain ustar layout ``data pack`` writes, through
+   tarfile for any other layout and for every damaged shard, so tarfile's reading decides): a
+   file that is missing, empty or not an uncompressed tar, a member that is a
    directory, a link, an absolute or ``..`` name or anything but ``<key>.jpg`` /
    ``<key>.cls``, a member that runs past the end of the file, an image without its label
-   or a label without its image, a key twice or outside ``0..total-1``, a label that is
-   not a number in ``0..len(classes)-1``, a sample count that differs from index.json:
-   each is one UserError naming the shard (and the member) and the fix, before training.
-7. Reading: the workers apply the same rules and also stop at a shard that ends before
-   its piece does (one changed since start-up); the sentence travels to the main process
-   as data and is raised there. The main process also counts: evaluation must see
-   (decoded + corrupt) = its range, and training must fill every step it was asked for.
+   or a label without its image, a key twice (within the shard, or in another shard's range) or outside
+   ``0..total-1``, a label that is not a number in ``0..len(classes)-1``, a sample count that differs from
+   index.json: each is one UserError naming the shard (and the member) and the fix, before training. A walked
+   shard that holds exactly the samples listed is accepted whatever its bytes (a set re-tarred by GNU tar
+   trains; it is walked at each start).
+   Why not a digest of the whole file: that reads every byte (140 GB for ImageNet) on every rank. Why not
+   mtime: a copy to the cluster's file system (``cp -r``, most object-store tools) changes it, so every
+   start would walk again. What the fingerprint does not see, damage of the same size inside a shard (a flipped
+   byte in a header or a label between its ends), is found by step 7 when the stream reads that shard.
+7. Reading: the workers apply the same rules as the walk to every member they pass (headers of every member of
+   their pieces, the label and image of each sample they keep) and also stop at a shard that ends before its
+   piece does or holds more samples than listed (one changed since start-up, or damage that step 6 cannot see);
+   the sentence travels to the main process as data and is raised there (exit 2). The main process also
+   counts: evaluation must see (decoded + corrupt) = its range, and training must fill every step it was asked
+   for.
 8. Images: a JPEG that does not decode follows ``data.on_corrupt`` (skip and list it as
    ``<shard>/<key>.jpg``, or stop); in training, skipping so many that a rank cannot fill
    its steps is a UserError too.
@@ -61,6 +80,7 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import io
 import json
 import math
@@ -70,7 +90,7 @@ import re
 import stat
 import tarfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -94,17 +114,25 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _skipped(src: Path, split: str, classes: list[str]) -> list[str]:
-    """What `imagefolder.scan` leaves out of a split: entries of split/ that are no class folder, and entries of a
-    class folder that are no JPEG file (*.jpg, *.jpeg, *.jpe: other files, sub-directories, broken links)."""
-    from largebatch.data.imagefolder import EXTENSIONS
+def _skipped(src: Path, split: str, classes: list[str], taken: set[str]) -> list[str]:
+    """What `imagefolder.scan` leaves out of a split (`taken`: what it read): entries of split/ that are no class
+    folder (files other than a flat val/'s images, hidden folders), and under a class folder (its nested folders
+    too) files that are no image of torchvision's extensions and hidden folders."""
+    from largebatch.data.imagefolder import _images
 
     base = src / split
-    out = [e.path for e in os.scandir(base) if not e.is_dir()]
+    out = [e.path for e in os.scandir(base)
+           if (not e.is_dir() and e.path not in taken) or (e.is_dir() and e.name.startswith("."))]
     for name in classes:
-        if (base / name).is_dir():
-            out += [e.path for e in os.scandir(base / name)
-                    if not (e.is_file() and e.name.lower().endswith(EXTENSIONS))]
+        folder = base / name
+        if not folder.is_dir():
+            continue
+        images, hidden = _images(folder)
+        kept = set(images)
+        for top, dirs, files in os.walk(folder, followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            out += [os.path.join(top, f) for f in files if os.path.join(top, f) not in kept]
+        out += hidden
     return sorted(out)
 
 
@@ -138,7 +166,7 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0, say: Callable[[s
     an existing shard set is never touched and a failure (a full disk, Ctrl-C) leaves no half-written set
     where training would read it; a pack killed outright leaves its temporary directory, which the next pack
     into the same destination removes (`_sweep`). `say` gets one line per thing to report: the files of the
-    ImageFolder that were left out (not JPEG files in a class folder), a removed temporary directory.
+    ImageFolder that were left out (not images in a class folder), a removed temporary directory.
     """
     import shutil
 
@@ -155,11 +183,11 @@ def pack(src: Path, dst: Path, shard_bytes: int, seed: int = 0, say: Callable[[s
                             "give a destination outside train/ and val/ (the source is never written into).")
     classes, train_paths, train_labels = scan(src, "train")
     _, val_paths, val_labels = scan(src, "val", classes)
-    for split in ("train", "val"):
-        left_out = _skipped(src, split, classes)
+    for split, taken in (("train", train_paths), ("val", val_paths)):
+        left_out = _skipped(src, split, classes, {str(p) for p in taken})
         if left_out:
             more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
-            say(f"{split}: skipped {len(left_out)} entries that are not JPEG files (*.jpg, *.jpeg, *.jpe) in a class "
+            say(f"{split}: skipped {len(left_out)} entries that are not images (*.jpg, *.jpeg, *.png, ...) in a class "
                 f"folder: {', '.join(shown(p) for p in left_out[:3])}{more}")
     tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"
     lock = -1
@@ -190,6 +218,7 @@ def _write_shards(out: Path, classes: list[str], splits, shard_bytes: int, seed:
     for split, paths, labels in splits:
         order = torch.randperm(len(paths), generator=torch.Generator().manual_seed(seed)).tolist()
         shards: list[dict] = []
+        tops: list[int] = []   # the largest label of each shard
         tar, size = None, 0
         for key, i in enumerate(order):
             try:
@@ -203,12 +232,16 @@ def _write_shards(out: Path, classes: list[str], splits, shard_bytes: int, seed:
                 name = f"{split}-{len(shards):06d}.tar"
                 tar, size = tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT), 0
                 shards.append({"name": name, "count": 0})
+                tops.append(-1)
             _add(tar, f"{key:09d}.jpg", data)
             _add(tar, f"{key:09d}.cls", str(int(labels[i])).encode())
             size += len(data) + 1536  # data + two headers, roughly
             shards[-1]["count"] += 1
+            tops[-1] = max(tops[-1], int(labels[i]))
         if tar is not None:
             tar.close()
+        for shard, top in zip(shards, tops):   # step 6's fingerprint of each shard, as written
+            shard.update(fingerprint(out / shard["name"], shard["count"], top))
         index["splits"][split] = {"total": len(order), "shards": shards}
     with open(out / INDEX, "w") as f:
         f.write(json.dumps(index, indent=1) + "\n")
@@ -546,6 +579,48 @@ def _plain_keys(path: Path, num_classes: int) -> list[int]:
     return keys
 
 
+_HEAD, _TAIL = 4096, 16384   # the bytes of a shard that its fingerprint covers: the first and the last
+
+
+def read_ends(path: Path) -> tuple[int, bytes]:
+    """A regular file's size and its first `_HEAD` and last `_TAIL` bytes (they overlap in a small file);
+    OSError for anything else (a FIFO opens without blocking and is refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{shown(path)} is not a regular file")
+        return info.st_size, os.pread(fd, _HEAD, 0) + os.pread(fd, _TAIL, max(0, info.st_size - _TAIL))
+    finally:
+        os.close(fd)
+
+
+def _digest(count: int, max_label: int, ends: bytes) -> str:
+    return hashlib.sha256(b"%d %d\0" % (count, max_label) + ends).hexdigest()
+
+
+def fingerprint(path: Path, count: int, max_label: int, ends: tuple[int, bytes] | None = None) -> dict:
+    """Step 6's record of a shard as written, for its index entry: `size`, `max_label` (its largest label, -1
+    for none) and `ends`, the SHA-256 of the count, that label and the file's ends. `ends`: `read_ends(path)`
+    if read already (before a walk that gave the count)."""
+    size, data = ends if ends is not None else read_ends(path)
+    return {"size": size, "max_label": max_label, "ends": _digest(count, max_label, data)}
+
+
+def unchanged(path: Path, entry: Mapping, count: int, num_classes: int) -> bool:
+    """Step 6's check of one shard, O(1) in its samples: True when its index `entry` has a fingerprint, the file
+    matches it and its labels are classes; False for anything else (no fingerprint, another size or other ends,
+    a missing or unreadable file), which the caller walks so that the walk names what is wrong, if anything."""
+    size, top, ends = entry.get("size"), entry.get("max_label"), entry.get("ends")
+    if not (isinstance(size, int) and isinstance(top, int) and isinstance(ends, str) and top < num_classes):
+        return False
+    try:
+        got = read_ends(path)
+    except OSError:
+        return False
+    return got[0] == size and _digest(count, top, got[1]) == ends
+
+
 def _claim(owner: np.ndarray, i: int, keys: list[int], root: Path, split: str, entry: dict, path: Path) -> None:
     """Record that shard `i` (at `path`) holds `keys`; a key outside the split or held by an earlier shard is
     one sentence, the first such key in the shard's order."""
@@ -561,26 +636,43 @@ def _claim(owner: np.ndarray, i: int, keys: list[int], root: Path, split: str, e
         owner[key] = i
 
 
-def check_split(root: Path, split: str, entry: dict, num_classes: int) -> None:
-    """Refuse a damaged split before any training: every shard of it is an uncompressed tar whose members
-    (headers only, and each label's few bytes) are the samples index.json says, each key of 0..total-1 once.
+def check_split(root: Path, split: str, entry: dict, num_classes: int) -> list[int]:
+    """Refuse a damaged split before any training (step 6): every shard whose fingerprint holds is taken as
+    pack wrote it (its keys the contiguous range of its position); every other shard is walked: an
+    uncompressed tar whose members (headers only, and each label's few bytes) are the samples index.json says,
+    each key of 0..total-1 once across the split. Returns the positions of the shards it walked.
 
-    This is a header walk, not a decode: about one 512-byte header read per member, directly (`_plain_keys`)
-    for shards in the plain layout, and through tarfile, which names what is wrong, for any other.
+    For a set packed with fingerprints this reads O(shards) bytes; the walk is about one 512-byte header read
+    per member, directly (`_plain_keys`) for shards in the plain layout, and through tarfile, which names what
+    is wrong, for any other.
     """
     owner = np.full(entry["total"], -1, dtype=np.int32)   # which shard holds each key
+    walk, start = [], 0
     for i, shard in enumerate(entry["shards"]):
-        path = root / shard["name"]
-        try:
-            keys = _plain_keys(path, num_classes)
-            _claim(owner, i, keys, root, split, entry, path)
-            count = len(keys)
-        except Unusual:
-            count = _tar_walk(owner, i, root, split, entry, path, num_classes)
-        if count != shard["count"]:
-            why = "the shard is truncated or" if count < shard["count"] else "the shard has extra samples or"
-            raise UserError(f"shard {shown(path)} holds {count} samples but {INDEX} lists {shard['count']} ({why} "
-                            f"{INDEX} is wrong); {_FIX}.")
+        if unchanged(root / shard["name"], shard, shard["count"], num_classes):
+            owner[start:start + shard["count"]] = i
+        else:
+            walk.append(i)
+        start += shard["count"]
+    for i in walk:   # after every fingerprinted range is claimed: a walked shard holding one of its keys is named
+        _walk_shard(owner, i, root, split, entry, num_classes)
+    return walk
+
+
+def _walk_shard(owner: np.ndarray, i: int, root: Path, split: str, entry: dict, num_classes: int) -> None:
+    """check_split's walk of shard `i`: its keys claimed in `owner`, its count compared with index.json's."""
+    shard = entry["shards"][i]
+    path = root / shard["name"]
+    try:
+        keys = _plain_keys(path, num_classes)
+        _claim(owner, i, keys, root, split, entry, path)
+        count = len(keys)
+    except Unusual:
+        count = _tar_walk(owner, i, root, split, entry, path, num_classes)
+    if count != shard["count"]:
+        why = "the shard is truncated or" if count < shard["count"] else "the shard has extra samples or"
+        raise UserError(f"shard {shown(path)} holds {count} samples but {INDEX} lists {shard['count']} ({why} "
+                        f"{INDEX} is wrong); {_FIX}.")
 
 
 def _tar_walk(owner: np.ndarray, i: int, root: Path, split: str, entry: dict, path: Path, num_classes: int) -> int:
@@ -600,9 +692,9 @@ def _read_pieces(root: Path, names: list[str], counts: list[int], pieces: list[t
                  num_classes: int) -> Iterator[tuple[str, int, bytes, int]]:
     """Step 3: (shard name, key, jpeg bytes, label) of each piece, sequentially, skipping by seek.
 
-    A shard that ends before the piece does, or is damaged in any other way, is a UserError naming it: a
-    sample is never dropped silently (check_split refuses such a shard at start-up; this catches one that
-    changed since).
+    A shard that ends before the piece does, holds more samples than listed, or is damaged in any other way, is
+    a UserError naming it: a sample is never dropped silently (check_split refuses such a shard at start-up;
+    this catches one that changed since, and damage inside a shard that its fingerprint does not cover).
     """
     for shard, first, stop in pieces:
         path = root / names[shard]
@@ -612,6 +704,9 @@ def _read_pieces(root: Path, names: list[str], counts: list[int], pieces: list[t
             for key, group in _samples_in(tar, shown(path), size):
                 sample += 1
                 if sample >= stop:
+                    if stop == counts[shard]:
+                        raise UserError(f"shard {shown(path)} holds more than the {counts[shard]} samples {INDEX} "
+                                        f"lists (it changed since it was packed, or {INDEX} is wrong); {_FIX}.")
                     break
                 if sample < first:
                     continue  # skipped by seek: tarfile does not read data we do not extract
@@ -817,6 +912,12 @@ def check_index(index: object, root: Path) -> None:
                 raise bad(f"{field}.name", "a file name in data.root")
             if not count(shard.get("count")):
                 raise bad(f"{field}.count", "a whole number of samples")
+            if "size" in shard and not count(shard["size"]):   # step 6's fingerprint, written since build 5
+                raise bad(f"{field}.size", "a whole number of bytes")
+            if "max_label" in shard and not (isinstance(shard["max_label"], int) and shard["max_label"] >= -1):
+                raise bad(f"{field}.max_label", "a class number (or -1)")
+            if "ends" in shard and not (isinstance(shard["ends"], str) and re.fullmatch("[0-9a-f]{64}", shard["ends"])):
+                raise bad(f"{field}.ends", "a SHA-256 in hex")
         listed = sum(shard["count"] for shard in shards)
         if listed != entry["total"]:
             raise UserError(f"{where}: splits.{split}.total is {entry['total']} but its shards' counts add up to "

@@ -28,18 +28,27 @@ in order (evaluation), concatenated into one sequence of `n` samples; each rank 
 and each loader worker a contiguous part of that, so every sample is read by exactly one (rank, worker) in
 evaluation and at most once in training (exactly once where the epoch's steps use every sample). A sample's
 augmentation is keyed by its position in the sequence in listed order, so it does not depend on ranks or
-workers. Start-up (6'): every shard is walked once (tar headers, and each label's bytes; no image decoded;
-the headers read directly in the plain layouts, webdataset's writer's pax time records included, through
-tarfile otherwise: `shards.plain_members`): a
-sample without an image or a label, a label that is no whole number or is outside the classes, a damaged or
-truncated tar, or a count other than the index's is one sentence naming the shard and member, before any run
-directory is taken. An image that does not decode follows `data.on_corrupt`, listed as `<shard>/<member>`.
+workers. Start-up (6'), O(shards) where the index has fingerprints: a shard whose index entry carries the
+fingerprint that `largebatch data index` (and `data pack`) record (`size`, `max_label`, `ends`:
+`shards.fingerprint`, the SHA-256 of the count, the largest label and the file's first 4 KiB and last 16 KiB)
+and whose file matches it, with `max_label` < `data.num_classes`, is not walked: one open and two small reads.
+Every other shard is walked once (tar headers, and each label's bytes; no image decoded; the headers read
+directly in the plain layouts, webdataset's writer's pax time records included, through tarfile otherwise:
+`shards.plain_members`): a shard of an index without fingerprints (a `wids` list as published, or one written
+before build 5: walked at each start; `largebatch data index` again adds them), or one changed since it was
+indexed. A sample without an image or a label, a label that is no whole number or is outside the classes, a
+damaged or truncated tar, or a count other than the index's is one sentence naming the shard and member, before
+any run directory is taken. Damage of the same size inside a fingerprinted shard (between its ends) is met by
+the loader worker that reads it (the same rules, and a shard ending early or holding more samples than listed),
+one sentence, exit 2 (`shards.py` step 7). An image that does not decode follows `data.on_corrupt`, listed as
+`<shard>/<member>`. Why this and not a cache of walks keyed by size and mtime: no cache directory to own, no
+mtime that a copy changes, and the same check for both shard layouts.
 
 `largebatch data index ROOT` (a directory or pattern; a directory's `train/` and `val/` folders too) walks the
 shards the same way and writes `index.json` in each shard directory: a `wids` shard list of the shards' file
-names and counts (entries for other shards of an index of this kind are kept). It is written to a temporary
-file and renamed into place; the shards are only read. An `index.json` of `data pack`, or a file that is no
-shard list, is never overwritten.
+names and counts, each with its fingerprint (entries for other shards of an index of this kind are kept;
+the fingerprint fields are extra keys beside `url` and `nsamples`, not checked against the `wids` reader itself). It is written to a temporary file and renamed into place; the
+shards are only read. An `index.json` of `data pack`, or a file that is no shard list, is never overwritten.
 """
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 from largebatch.cli import ArgumentParser
 from largebatch.data.shards import (INDEX, PlainMember, PlainReader, ShardSource, Unusual, _members, _open_shard,
-                                    _ShardStream, plain_members, read_member)
+                                    _ShardStream, fingerprint, plain_members, read_ends, read_member, unchanged)
 from largebatch.errors import UserError, os_error_fix, shown
 
 WIDS_KIND = "wids-shard-index-v1"
@@ -156,9 +165,12 @@ def locate(root: str, val_root: str | None) -> tuple[list[Path], list[Path]]:
 
 # ---- per-shard counts ---------------------------------------------------------------------------
 
-def _read_index(path: Path) -> dict[str, int] | None:
-    """A shard index's counts by shard file name: largebatch's index.json (data pack's) or a wids shard list;
-    None for a JSON file that is neither."""
+_MARKS = ("size", "max_label", "ends")   # a shard's fingerprint fields in an index entry (shards.fingerprint)
+
+
+def _read_index(path: Path) -> dict[str, dict] | None:
+    """A shard index's entries by shard file name, each {"count": n} and the fingerprint fields it has:
+    largebatch's index.json (data pack's) or a wids shard list; None for a JSON file that is neither."""
     try:
         if path.stat().st_size > 64 * 2**20:
             return None
@@ -170,28 +182,29 @@ def _read_index(path: Path) -> dict[str, int] | None:
         return None
     if not isinstance(data, dict):
         return None
-    out: dict[str, int] = {}
+    out: dict[str, dict] = {}
     if data.get("__kind__") == WIDS_KIND and isinstance(data.get("shardlist"), list):
         for entry in data["shardlist"]:
             url, n = (entry.get("url"), entry.get("nsamples")) if isinstance(entry, dict) else (None, None)
             if not isinstance(url, str) or not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise UserError(f"{shown(path)}: a shardlist entry {str(entry)[:80]} has no url and whole-number "
                                 f"nsamples; fix it, or remove it and run 'largebatch data index {shown(path.parent)}'.")
-            out[url.rstrip("/").rsplit("/", 1)[-1]] = n
+            out[url.rstrip("/").rsplit("/", 1)[-1]] = {"count": n, **{k: entry[k] for k in _MARKS if k in entry}}
         return out
     if data.get("format") == "largebatch-shards-1" and isinstance(data.get("splits"), dict):
         for entry in data["splits"].values():
             for shard in entry.get("shards", []) if isinstance(entry, dict) else []:
                 if isinstance(shard, dict) and isinstance(shard.get("name"), str) and isinstance(shard.get("count"), int):
-                    out[shard["name"]] = shard["count"]
+                    out[shard["name"]] = {"count": shard["count"], **{k: shard[k] for k in _MARKS if k in shard}}
         return out
     return None
 
 
-def counts(paths: list[Path]) -> tuple[list[int], list[Path]]:
-    """Each shard's sample count and the index file it came from (index.json first, then other wids lists)."""
-    found: dict[Path, list[tuple[Path, dict[str, int]]]] = {}
-    out, sources = [], []
+def counts(paths: list[Path]) -> tuple[list[int], list[Path], list[dict]]:
+    """Each shard's sample count, the index file it came from (index.json first, then other wids lists) and its
+    entry there (the count and any fingerprint fields)."""
+    found: dict[Path, list[tuple[Path, dict[str, dict]]]] = {}
+    out, sources, entries = [], [], []
     for path in paths:
         folder = path.parent
         if folder not in found:
@@ -203,8 +216,9 @@ def counts(paths: list[Path]) -> tuple[list[int], list[Path]]:
             raise UserError(f"shard {shown(path)} has no sample count in an index beside it (index.json or a wids "
                             f"shard list); count once with 'largebatch data index {shown(folder)}'.")
         sources.append(hit[0])
-        out.append(hit[1])
-    return out, sources
+        out.append(hit[1]["count"])
+        entries.append(hit[1])
+    return out, sources, entries
 
 
 # ---- samples -------------------------------------------------------------------------------------
@@ -315,13 +329,20 @@ def _count(samples: Iterable[tuple[str, dict[str, Member]]], where: str, num_cla
     return n, top
 
 
-def check_counts(paths: list[Path], listed: list[int], sources: list[Path], num_classes: int) -> None:
-    """Start-up: every shard walked; its count must be its index's."""
-    for path, want, source in zip(paths, listed, sources):
+def check_counts(paths: list[Path], listed: list[int], sources: list[Path], num_classes: int,
+                 entries: list[dict] | None = None) -> list[Path]:
+    """Start-up (6'): every shard whose index entry's fingerprint holds is taken as indexed (O(1) each); every
+    other shard is walked and its count must be its index's. Returns the shards it walked."""
+    walked = []
+    for i, (path, want, source) in enumerate(zip(paths, listed, sources)):
+        if entries is not None and unchanged(path, entries[i], want, num_classes):
+            continue
+        walked.append(path)
         n, _ = walk(path, num_classes)
         if n != want:
             raise UserError(f"shard {shown(path)} holds {n} samples but {shown(source)} lists {want}; "
                             f"{_INDEX_FIX.format(shown(path.parent))}.")
+    return walked
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -346,6 +367,10 @@ class WdsStream(_ShardStream):
                 for key, group in samples_in(_members(tar, where, _COPY), where, size):
                     sample += 1
                     if sample >= stop:
+                        if stop == self.counts[shard]:
+                            raise UserError(f"shard {where} holds more than the {stop} samples its index lists (it "
+                                            "changed since it was indexed); "
+                                            f"{_INDEX_FIX.format(shown(path.parent))}.")
                         break
                     if sample < first:
                         continue   # passed over by seeking: tarfile reads no data we do not extract
@@ -365,8 +390,8 @@ def build_webdataset(cfg, seed: int):
     train_paths, val_paths = locate(cfg.root, cfg.val_root)
     splits = {}
     for split, paths in (("train", train_paths), ("val", val_paths)):
-        listed, sources = counts(paths)
-        check_counts(paths, listed, sources, cfg.num_classes)
+        listed, sources, entries = counts(paths)
+        check_counts(paths, listed, sources, cfg.num_classes, entries)
         splits[split] = {"total": sum(listed),
                          "shards": [{"name": str(p.absolute()), "count": c} for p, c in zip(paths, listed)]}
         if splits[split]["total"] == 0:
@@ -419,12 +444,17 @@ def index(root: str, say=print) -> dict[Path, dict]:
     else:
         what = "is not a directory or pattern of shards" if Path(root).exists() else "does not exist"
         raise UserError(f"{root} {what}; give the shards' directory or a brace pattern (train-{{000000..000099}}.tar).")
-    by_dir: dict[Path, dict[str, int]] = {}
+    by_dir: dict[Path, dict[str, dict]] = {}
     top = -1
     for path in paths:
+        try:
+            ends = read_ends(path)   # before the walk: a shard changed during it fails its fingerprint later
+        except OSError:
+            ends = None              # the walk names what is wrong with it
         n, label = walk(path, None)
         top = max(top, label)
-        by_dir.setdefault(path.parent, {})[path.name] = n
+        marks = fingerprint(path, n, label, ends) if ends is not None else {}   # gone since: no quick check
+        by_dir.setdefault(path.parent, {})[path.name] = {"nsamples": n, **marks}
     out: dict[Path, dict] = {}
     for folder, found in by_dir.items():
         target = folder / INDEX
@@ -442,13 +472,13 @@ def index(root: str, say=print) -> dict[Path, dict]:
                                 "(nothing was written).")
             kept = [e for e in old["shardlist"] if isinstance(e, dict) and str(e.get("url", "")).rsplit("/", 1)[-1]
                     not in found]
-        entries = kept + [{"url": name, "nsamples": n} for name, n in found.items()]
+        entries = kept + [{"url": name, **entry} for name, entry in found.items()]
         entries.sort(key=lambda e: str(e.get("url")))
         out[target] = {"__kind__": WIDS_KIND, "wids_version": 1, "name": folder.name, "shardlist": entries}
     for target, data in out.items():
         _write_atomic(target, json.dumps(data, indent=1) + "\n")
         found = by_dir[target.parent]
-        say(f"{shown(target)}: {len(found)} shards, {sum(found.values())} samples")
+        say(f"{shown(target)}: {len(found)} shards, {sum(e['nsamples'] for e in found.values())} samples")
     if top >= 0:
         say(f"labels seen: 0..{top} at most; set data.num_classes to the number of classes (e.g. {top + 1})")
     return out
