@@ -15,12 +15,24 @@
 4. An MLPerf row uses its release's stack (`mlperf-v0.5` ... `mlperf-v4.0`, each fitted to that release's
    own single-node log; v0.7's is `mlperf-2020`, the device curves' own). largebatch's own measured step (the
    `largebatch` stack, one H200) is a FIT row per precision, predicted with the default stack.
+5. The seed runs of 2017-2018 (Goyal et al., Akiba et al. of PFN, Mikami et al. of Sony, You et al.) each have a
+   stack of their own (`goyal-2017`, `pfn-2017`, `sony-2018`, `you-2017`; `seed_figures`), fitted on one figure
+   of the paper (`fit_factor`: the factor at which the model reproduces it; catalog.yaml stores it) and used to
+   predict the paper's other figures. Which figure is fitted, by one rule: the paper's own single-node figure
+   where it gives one; else its scaling efficiency at one size, where a speed at or below the device's peak
+   reproduces it; else its time-to-train. The fitted figure's row is FIT, the others are validation rows.
+   `alternative_fits` fits each stack on each of its other figures instead and predicts the rest (the same
+   question asked the other way; docs/performance_model.md reports both). No new figure: each is one that
+   docs/performance_sources.md records with its source.
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from largebatch.perf.catalog import get_device, load_catalog
 from largebatch.perf.model import predict
 
 IMAGENET = 1281167
@@ -52,12 +64,192 @@ def _ips(device: str, n: int, per_gpu: int, stack: str | None, precision: str = 
                    precision=precision, stack=stack, **RN50).images_per_s
 
 
-def _sony_2176_time() -> float:
+@dataclass(frozen=True)
+class Figure:
+    """One published figure of a seed paper; `model(stack)` is the model's value of it on that stack."""
+
+    source: str
+    setup: str
+    quantity: str
+    published: float
+    model: Callable[[str], float]
+    nodes: int = 1
+    note: str = ""
+
+
+# The seed runs' stacks: (device, precision) of the run, for the peak check of a fit
+SEED_DEVICES = {"goyal-2017": ("p100", "fp32"), "pfn-2017": ("p100", "fp32"), "sony-2018": ("v100", "fp16"),
+                "you-2017": ("xeon-phi-7250", "fp32")}
+
+
+def _goyal(stack: str, devices: int, batch: int) -> Any:
+    return predict(device="p100", devices=devices, devices_per_node=8, intra_node="nvlink1", inter_node="eth50",
+                   algorithm="hierarchical", precision="fp32", global_batch=batch, epochs=90, eval_every=0,
+                   stack=stack, **RN50)
+
+
+def _akiba(stack: str) -> Any:
+    return predict(device="p100", devices=1024, devices_per_node=8, intra_node="nvlink1", inter_node="ib-fdr:2",
+                   global_batch=32768, precision="fp32", epochs=90, eval_every=0, stack=stack, **RN50)
+
+
+def _sony(stack: str, devices: int, batch: int, epochs: float) -> Any:
+    return predict(device="v100", devices=devices, devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2",
+                   algorithm="torus2d", precision="fp16", global_batch=batch, epochs=epochs, eval_every=0,
+                   stack=stack, **RN50)
+
+
+def _sony_2176_time(stack: str = "sony-2018") -> float:
     """Sony: 5 warm-up epochs at 16 per GPU (34,816), then 85 epochs at 32 per GPU (69,632)."""
-    common = dict(device="v100", devices=2176, devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2",
-                  algorithm="torus2d", precision="fp16", eval_every=0, stack="stack-2018", **RN50)
-    return (predict(global_batch=34816, epochs=5, **common).time_to_train_s
-            + predict(global_batch=69632, epochs=85, **common).time_to_train_s)
+    return _sony(stack, 2176, 34816, 5).time_to_train_s + _sony(stack, 2176, 69632, 85).time_to_train_s
+
+
+def _knl(stack: str) -> Any:
+    return predict(device="xeon-phi-7250", devices=2048, devices_per_node=1, inter_node="omnipath",
+                   algorithm="ring", global_batch=32768, precision="fp32", epochs=90, eval_every=0, stack=stack,
+                   **RN50)
+
+
+def seed_figures() -> dict[str, list[Figure]]:
+    """Each seed run's stack and the figures of its paper that docs/performance_sources.md records, the figure the
+    stack is fitted on first (module docstring, step 5: the rule that picks it)."""
+    goyal, akiba, sony = "Goyal et al. 1706.02677", "Akiba et al. 1711.04325", "Mikami et al. 1811.05233"
+    return {
+        # the paper's own single-node figure (B1, A6; ../shared/FACTS.md)
+        "goyal-2017": [
+            Figure(goyal, "8 P100, batch 256, 90 epochs", "time-to-train (h)", 29.0,
+                   lambda s: _goyal(s, 8, 256).time_to_train_s / 3600, 1, "one node"),
+            Figure(goyal, "256 P100, 50 GbE, batch 8k, 90 epochs", "time-to-train (h)", 1.0,
+                   lambda s: _goyal(s, 256, 8192).time_to_train_s / 3600, 32),
+            Figure(goyal, "8 -> 256 P100, 32 per GPU", "scaling efficiency", 0.90,
+                   lambda s: _goyal(s, 256, 8192).images_per_s / (32 * _goyal(s, 8, 256).images_per_s), 32),
+        ],
+        # no single-node figure; the 80% (NVIDIA's table) would need a P100 at about 6x its fp32 peak
+        # (alternative_fits), so the time (B2)
+        "pfn-2017": [
+            Figure(akiba, "1,024 P100 (128 x 8), 2x IB FDR, batch 32k, 90 epochs", "time-to-train (min)", 15.0,
+                   lambda s: _akiba(s).time_to_train_s / 60, 128,
+                   "fp32 compute assumed (precision not in the text at hand)"),
+            Figure("Akiba et al. (NVIDIA table)", "1,024 P100 (128 x 8), 32 per GPU, against one node",
+                   "scaling efficiency", 0.80, lambda s: _akiba(s).scaling_efficiency_node, 128,
+                   "baseline of the 80% not stated: one node (8 GPUs) assumed; fp32 assumed as above"),
+        ],
+        # no single-node figure; the scaling efficiency at 1,088 V100 (B5)
+        "sony-2018": [
+            Figure(sony, "1,088 V100, 32 per GPU, against one node", "scaling efficiency", 0.9162,
+                   lambda s: _sony(s, 1088, 34816, 90).scaling_efficiency_node, 272,
+                   "baseline of the 91.62% not stated: one node (4 GPUs) assumed"),
+            Figure(sony, "2,176 V100, 2x IB EDR, 2D-torus, 34K->68K", "time-to-train (s)", 224.0,
+                   _sony_2176_time, 544,
+                   "5 epochs at 16 per GPU, then 85 at 32 (90 epochs assumed: not in the sources)"),
+        ],
+        # the paper's one figure on hardware in the catalog: no held-out figure exists (B11)
+        "you-2017": [
+            Figure("You et al. 1709.05011", "2,048 KNL, batch 32K, 90 epochs", "time-to-train (min)", 20.0,
+                   lambda s: _knl(s).time_to_train_s / 60, 2048,
+                   "no other figure of the paper on catalog hardware: no held-out figure"),
+        ],
+    }
+
+
+TRIAL_STACK = "__fit_trial__"
+
+
+@contextmanager
+def _trial_stack(factor: float) -> Iterator[str]:
+    """A stack of the given factor, in the loaded catalog for the duration only (the fit's trial values)."""
+    stacks = load_catalog().setdefault("stacks", {})
+    stacks[TRIAL_STACK] = {"factor": factor, "released": "", "source": "validate.fit_factor's trial value"}
+    try:
+        yield TRIAL_STACK
+    finally:
+        stacks.pop(TRIAL_STACK, None)
+
+
+def fit_factor(figure: Figure, lo: float = 0.01, hi: float = 100.0, rel: float = 1e-6) -> float:
+    """The stack factor at which the model reproduces `figure` (bisection on log(factor); every seed quantity is
+    monotone in the factor: a faster stack takes less time and is less efficient). ValueError where no factor
+    in [lo, hi] reproduces it."""
+    def err(x: float) -> float:
+        with _trial_stack(x) as s:
+            return figure.model(s) / figure.published - 1.0
+
+    e_lo, e_hi = err(lo), err(hi)
+    if e_lo == 0.0:
+        return lo
+    if (e_lo < 0) == (e_hi < 0):
+        raise ValueError(f"no stack factor in [{lo}, {hi}] reproduces {figure.source}: {figure.setup}")
+    while hi / lo > 1.0 + rel:
+        mid = math.sqrt(lo * hi)
+        e = err(mid)
+        if (e < 0) == (e_lo < 0):
+            lo, e_lo = mid, e
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+@dataclass(frozen=True)
+class AlternativeFit:
+    """A seed stack fitted on another figure of its paper than the catalog's, and what it then predicts."""
+
+    stack: str
+    fitted: Figure
+    factor: float
+    peak_fraction: float          # eff_max x factor: above 1 no real speed reproduces the fitted figure
+    predictions: list[tuple[Figure, float]]   # (figure, model value) for every other figure of the paper
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_fraction <= 1.0
+
+
+def alternative_fits() -> list[AlternativeFit]:
+    """Every seed stack fitted, in turn, on each figure of its paper that the catalog's stack is not fitted on."""
+    out = []
+    for stack, figs in seed_figures().items():
+        device, precision = SEED_DEVICES[stack]
+        eff_max = get_device(device, precision).eff_max
+        for i, fig in enumerate(figs[1:], start=1):
+            factor = fit_factor(fig)
+            with _trial_stack(factor) as s:
+                preds = [(other, other.model(s)) for j, other in enumerate(figs) if j != i]
+            out.append(AlternativeFit(stack, fig, factor, eff_max * factor, preds))
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def seed_table(printer: Callable[[str], None] = print, alternatives: list[AlternativeFit] | None = None) -> None:
+    """Print the seed stacks both ways as markdown (the form docs/performance_model.md holds): the catalog's fit
+    and its held-out predictions, then each alternative fit (`alternatives`, computed when not given)."""
+    from largebatch.perf.catalog import stack_factor
+
+    printer("| Stack | Fitted on | Factor | Predicted (held out) | Published | Model | Error |")
+    printer("|---|---|---:|---|---:|---:|---:|")
+    for stack, figs in seed_figures().items():
+        rest: list[Figure | None] = list(figs[1:]) or [None]
+        for k, other in enumerate(rest):
+            head = (f"| {stack} | {figs[0].setup}: {figs[0].quantity} {_fmt(figs[0].published)} | "
+                    f"{stack_factor(stack):.3f} |" if k == 0 else "| | | |")
+            if other is None:
+                printer(f"{head} no held-out figure | | | |")
+            else:
+                pred = other.model(stack)
+                printer(f"{head} {other.setup}: {other.quantity} | {_fmt(other.published)} | {_fmt(pred)} | "
+                        f"{100 * (pred / other.published - 1):+.1f}% |")
+    printer("")
+    printer("| Stack | Fitted instead on | Factor | eff_max x factor | Predicted | Published | Model | Error |")
+    printer("|---|---|---:|---:|---|---:|---:|---:|")
+    for alt in alternative_fits() if alternatives is None else alternatives:
+        for k, (other, pred) in enumerate(alt.predictions):
+            head = (f"| {alt.stack} | {alt.fitted.setup}: {alt.fitted.quantity} {_fmt(alt.fitted.published)} | "
+                    f"{alt.factor:.3f} | {alt.peak_fraction:.2f}{'' if alt.feasible else ' (above peak)'} |"
+                    if k == 0 else "| | | | |")
+            printer(f"{head} {other.setup}: {other.quantity} | {_fmt(other.published)} | {_fmt(pred)} | "
+                    f"{100 * (pred / other.published - 1):+.1f}% |")
 
 
 def _mlperf_multinode() -> list[Row]:
@@ -229,36 +421,19 @@ def rows() -> list[Row]:
     Stack per row, chosen by release, date and framework before looking at the errors: an MLPerf row uses
     its release's stack (`mlperf-v0.5`, `mlperf-v0.6`, `mlperf-2020` for v0.7, `mlperf-v1.0` ... `mlperf-v3.0`,
     each fitted to that release's single-node log: the FIT rows below); other runs before mid-2019 use
-    `stack-2018`; NVIDIA DeepLearningExamples tables their own README's stack. The P100 curve is Goyal et
-    al.'s own 2017 stack (its FIT), used as is."""
+    `stack-2018`, except the seed runs of 2017-2018, each on its paper's stack (`seed_figures`: the fitted figure a
+    FIT row, the others validation rows); NVIDIA DeepLearningExamples tables their own README's stack."""
     out: list[Row] = []
     V = "validation"
-    goyal = dict(device="p100", devices_per_node=8, intra_node="nvlink1", inter_node="eth50",
-                 algorithm="hierarchical", precision="fp32", epochs=90, eval_every=0, **RN50)
-    g8 = predict(devices=8, global_batch=256, **goyal)
-    g256 = predict(devices=256, global_batch=8192, **goyal)
-    out.append(Row("Goyal et al. 1706.02677", "8 P100, batch 256, 90 epochs", "time-to-train (h)",
-                   29.0, g8.time_to_train_s / 3600, "FIT (input)", "P100 fp32 eff_max (one node)"))
-    out.append(Row("Goyal et al. 1706.02677", "256 P100, 50 GbE, batch 8k, 90 epochs", "time-to-train (h)",
-                   1.0, g256.time_to_train_s / 3600, V, nodes=32))
-    out.append(Row("Goyal et al. 1706.02677", "8 -> 256 P100, 32 per GPU", "scaling efficiency",
-                   0.90, g256.images_per_s / (32 * g8.images_per_s), V, nodes=32))
-    akiba = predict(device="p100", devices=1024, devices_per_node=8, intra_node="nvlink1", inter_node="ib-fdr:2",
-                    global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
-    out.append(Row("Akiba et al. 1711.04325", "1,024 P100 (128 x 8), 2x IB FDR, batch 32k, 90 epochs",
-                   "time-to-train (min)", 15.0, akiba.time_to_train_s / 60, V,
-                   "fp32 compute assumed (precision not in the text at hand)", nodes=128))
-    out.append(Row("Akiba et al. (NVIDIA table)", "1,024 P100 (128 x 8), 32 per GPU, against one node",
-                   "scaling efficiency", 0.80, akiba.scaling_efficiency_node, V,
-                   "baseline of the 80% not stated: one node (8 GPUs) assumed; fp32 assumed as above", nodes=128))
-    out.append(Row("Mikami et al. 1811.05233", "2,176 V100, 2x IB EDR, 2D-torus, 34K->68K", "time-to-train (s)",
-                   224.0, _sony_2176_time(), V, "stack-2018", nodes=544))
-    sony = dict(device="v100", devices_per_node=4, intra_node="nvlink2", inter_node="ib-edr:2", algorithm="torus2d",
-                precision="fp16", epochs=90, eval_every=0, stack="stack-2018", **RN50)
-    s1088 = predict(devices=1088, global_batch=34816, **sony)
-    out.append(Row("Mikami et al. 1811.05233", "1,088 V100, 32 per GPU, against one node", "scaling efficiency",
-                   0.9162, s1088.scaling_efficiency_node, V,
-                   "baseline of the 91.62% not stated: one node (4 GPUs) assumed", nodes=272))
+    for stack, figs in seed_figures().items():
+        if stack == "you-2017":
+            continue            # at the end, where the KNL row has always been
+        for k, fig in enumerate(figs):
+            fitted = (f"{stack}, fitted on this figure" if k == 0 else
+                      f"{stack} (fitted on the paper's {figs[0].quantity}, {figs[0].setup})")
+            out.append(Row(fig.source, fig.setup, fig.quantity, fig.published, fig.model(stack),
+                           "FIT (input)" if k == 0 else V, fitted + (f"; {fig.note}" if fig.note else ""),
+                           nodes=fig.nodes))
     v05 = predict(device="v100", devices=640, devices_per_node=8, intra_node="nvlink2", inter_node="ib-edr:4",
                   global_batch=640 * 26, precision="fp16", epochs=81, stack="mlperf-v0.5", **RN50)
     out.append(Row("MLPerf v0.5 NVIDIA (result_1.txt)", "640 V100 (80 DGX-1), 26 per GPU, 81 epochs",
@@ -328,11 +503,10 @@ def rows() -> list[Row]:
                        f"1 H200 {prec} channels_last, 256 per GPU", "images/s", published,
                        _ips("h200", 1, 256, None, precision=prec), "FIT (input)",
                        f"largebatch stack's H200 {prec} factor, the H200's default stack at {prec}"))
-    knl = predict(device="xeon-phi-7250", devices=2048, devices_per_node=1, inter_node="omnipath",
-                  algorithm="ring", global_batch=32768, precision="fp32", epochs=90, eval_every=0, **RN50)
-    out.append(Row("You et al. 1709.05011", "2,048 KNL, batch 32K, 90 epochs", "time-to-train (min)",
-                   20.0, knl.time_to_train_s / 60, "FIT (input)", "KNL eff_max; no independent KNL figure at hand",
-                   nodes=2048))
+    (you,) = seed_figures()["you-2017"]
+    out.append(Row(you.source, you.setup, you.quantity, you.published, you.model("you-2017"), "FIT (input)",
+                   f"you-2017, fitted on this figure (the KNL curve too: no independent KNL figure at hand); "
+                   f"{you.note}", nodes=you.nodes))
     return out
 
 
@@ -355,3 +529,7 @@ def table(rs: list[Row], printer: Callable[[str], None] = print) -> None:
         role = r.role + (f": {r.note}" if r.note else "")
         printer(f"| {r.source} | {r.setup} | {r.quantity} | {r.published:.4g} | {r.predicted:.4g} | "
                 f"{100 * r.error:+.1f}% | {role} |")
+
+
+if __name__ == "__main__":
+    seed_table()
