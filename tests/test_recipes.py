@@ -74,8 +74,8 @@ def test_dry_run_cli_prints_phases(cli):
     assert "batch phases" in proc.stdout
 
 
-@pytest.mark.parametrize("stem", ["goyal_8k", "lars_32k", "sony_batch_control", "collapsed_ensemble", "mlperf_lars"])   # no
-# Fashion-MNIST counterpart of collapsed_released yet: its study is to come (docs/large_batch.md)
+@pytest.mark.parametrize("stem", ["goyal_8k", "lars_32k", "sony_batch_control", "collapsed_ensemble", "mlperf_lars",
+                                  "collapsed_released"])
 def test_fashion_mnist_counterparts(stem):
     fm = config_mod.load(f"fashion_mnist_{stem}", ["data.train_size=60000"])
     im = config_mod.load(f"imagenet_resnet50_{stem}")
@@ -137,3 +137,27 @@ def test_the_released_collapsed_ensemble_schedule_is_the_authors():
         config_mod.load("imagenet_resnet50_collapsed_released", ["ensemble.segments=[{epochs: 5}]"])
     with pytest.raises(config_mod.UserError, match="give one of them"):
         config_mod.load("imagenet_resnet50_collapsed_released", ["ensemble.cycles=2"])
+
+
+def test_the_released_schedule_study_scales_the_recipe_to_the_budget():
+    """`study ensemble --own-schedule` (experiments/collapsed_released.yaml): the ensemble variant is the recipe's
+    own base run and segments scaled to --epochs, the single model is the base form for all of them; both plan."""
+    import yaml
+
+    from largebatch.commands import experiment, study_variants
+
+    args = study_variants.parser("ensemble").parse_args(
+        ["--recipe", "fashion_mnist_collapsed_released", "--own-schedule", "--epochs", "24", "--batch", "192",
+         "--set", "model.width=8"])
+    plan = study_variants.variants("ensemble", args)
+    single = config_mod.load(args.recipe, list(args.overrides) + plan["single"] + ["data.train_size=60000"])
+    ens = config_mod.load(args.recipe, list(args.overrides) + plan["ensemble"] + ["data.train_size=60000"])
+    assert single.schedule.epochs == 24 and not single.ensemble.segments and single.schedule.decay_epochs is None
+    assert ens.schedule.epochs == pytest.approx(25 / 3, abs=1e-3) and ens.schedule.decay_epochs == pytest.approx(20)
+    assert [g.epochs for g in ens.ensemble.segments] == pytest.approx([4, 5, 5, 5 / 3], abs=1e-3)
+    assert [g.collapse for g in ens.ensemble.segments] == [False, False, False, True]
+    assert dry_run(ens, 2)["epochs"] == pytest.approx(24, abs=0.01) and len(dry_run(ens, 2)["ensemble"]) == 5
+    with pytest.raises(config_mod.UserError, match="--own-schedule takes the recipe's ensemble.segments"):
+        study_variants.variants("ensemble", study_variants.parser("ensemble").parse_args(["--own-schedule"]))
+    spec = yaml.safe_load(experiment.resolve("collapsed_released").read_text())
+    assert spec["common"]["own_schedule"] is True and spec["common"]["recipe"] == "fashion_mnist_collapsed_released"

@@ -55,7 +55,39 @@ def parser(kind: str) -> ArgumentParser:
         p.add_argument("--cycles", type=int, default=2, help="cycles after the base schedule")
         p.add_argument("--cycle-epochs", type=float, default=4.0, help="epochs of one cycle")
         p.add_argument("--collapse-epochs", type=float, default=1.0, help="collapse at the end of each segment")
+        p.add_argument("--own-schedule", action="store_true",
+                       help="the ensemble variant is the recipe's own ensemble.segments schedule (its base run, "
+                            "segments and collapses, e.g. the authors' released one), scaled to --epochs; "
+                            "--cycles, --cycle-epochs and --collapse-epochs do not apply")
     return p
+
+
+def own_schedule(args, common: list[str]) -> dict[str, list[str]]:
+    """--own-schedule: the recipe's base run and ensemble.segments scaled to --epochs (every epoch count times
+    epochs / the recipe's total), against one model of the recipe's base form for all --epochs."""
+    import dataclasses
+
+    from largebatch import config as config_mod
+    from largebatch.schedule import ensemble_epochs
+
+    cfg = config_mod.load(args.recipe, list(args.overrides))
+    if not cfg.ensemble.segments:
+        raise UserError(f"--own-schedule takes the recipe's ensemble.segments, and {args.recipe} has none; give a "
+                        "recipe with segments (e.g. fashion_mnist_collapsed_released) or leave --own-schedule out.")
+    s = cfg.schedule
+    f = args.epochs / (s.epochs + ensemble_epochs(cfg.ensemble))
+
+    def scaled(x: float) -> str:
+        return f"{round(x * f, 3):g}"
+    segments = [{**dataclasses.asdict(g), "epochs": float(scaled(g.epochs)), "rewarm_epochs": float(scaled(g.rewarm_epochs))}
+                for g in cfg.ensemble.segments]
+    base = [f"batch.global_batch={args.batch}", "batch.phases=[]", "ensemble.cycles=0"]
+    return {"single": common + base + [f"schedule.epochs={args.epochs:g}", "schedule.decay_epochs=null",
+                                       f"schedule.warmup_epochs={scaled(s.warmup_epochs)}", "ensemble.segments=[]"],
+            "ensemble": common + base + [
+                f"schedule.epochs={scaled(s.epochs)}", f"schedule.warmup_epochs={scaled(s.warmup_epochs)}",
+                *([f"schedule.decay_epochs={scaled(s.decay_epochs)}"] if s.decay_epochs else []),
+                f"ensemble.segments={json.dumps(segments)}"]}
 
 
 def variants(kind: str, args) -> dict[str, list[str]]:
@@ -76,6 +108,8 @@ def variants(kind: str, args) -> dict[str, list[str]]:
                                    "batch.phases=[]"],
                 "control": common + [f"schedule.epochs={args.epochs:g}", f"batch.global_batch={args.batch}",
                                      f"batch.phases={phases}"]}
+    if getattr(args, "own_schedule", False):
+        return own_schedule(args, common)
     epochs = (("--cycle-epochs", args.cycle_epochs), ("--collapse-epochs", args.collapse_epochs))
     check_numbers(("--cycles", args.cycles, args.cycles >= 1, "1 or more (with 0 both variants are one model)"),
                   *[(flag, v, 0 < v < math.inf, "a positive number of epochs") for flag, v in epochs])
