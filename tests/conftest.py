@@ -30,6 +30,20 @@ def user_error(proc, *fragments):
         assert f in lines[0], lines[0]
 
 
+def pytest_report_header(config):
+    """The stack the suite runs on (make test runs two: .venv and .venv-eco), read from the installed packages'
+    metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(lib):
+        try:
+            return f"{lib} {version(lib)}"
+        except PackageNotFoundError:
+            return f"no {lib}"
+
+    return "stack: " + ", ".join(installed(lib) for lib in ("torch", "torchvision", "timm"))
+
+
 @pytest.fixture
 def cli():
     return run_cli
