@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from largebatch.errors import UserError
+from largebatch.perf.model import split   # noqa: F401 - the planner's, which may not import the runtime
 
 GIB = 2 ** 30
 OOM_RETRY_STEPS = 3   # step 6
@@ -154,25 +155,15 @@ def estimate_net(net: torch.nn.Module, *, in_channels: int, image_size: int, pre
     return Estimate(device_bytes, source, state, per_image, int(device_bytes * fraction) + fixed)
 
 
-def split(per_worker: int, cap: int | None) -> tuple[int, int]:
-    """(micro-batch, accumulation): the fewest equal micro-batches of at most `cap` images (schedule.split_batch's
-    rule)."""
-    if cap is None or cap >= per_worker:
-        return per_worker, 1
-    accumulation = -(-per_worker // cap)
-    while per_worker % accumulation:
-        accumulation += 1
-    return per_worker // accumulation, accumulation
-
-
-def fit_micro_batch(est: Estimate, per_worker: int) -> int:
-    """Step 5: the micro-batch cap for a per-worker batch; a state that does not fit at all is one sentence."""
+def fit_micro_batch(est: Estimate, per_worker: int, what: str = "the model", fix: str = "a smaller model") -> int:
+    """Step 5: the micro-batch cap for a per-worker batch; a state that does not fit at all is one sentence naming
+    `what` (the model and its width) and `fix`."""
     largest = est.largest()
     if largest < 1:
-        raise UserError(f"the model's state alone ({est.state_bytes / GIB:.1f} GiB with a "
-                        f"{est.margin_bytes / GIB:.1f} GiB margin) does not fit the {est.device_bytes / GIB:.1f} GiB "
-                        f"of {est.device_source}; use a device with more memory or a smaller model, or set "
-                        "train.device_memory_gb if that figure is wrong.")
+        raise UserError(f"{what} does not fit in memory: its state alone ({est.state_bytes / GIB:,.1f} GiB with a "
+                        f"{est.margin_bytes / GIB:.1f} GiB margin) is more than the {est.device_bytes / GIB:.1f} GiB "
+                        f"of {est.device_source}; give {fix}, a device with more memory, or train.device_memory_gb "
+                        "if that figure is wrong.")
     return min(largest, per_worker)
 
 
@@ -211,4 +202,5 @@ def resolve(cfg, info, *, world_size: int, local_workers: int, device_type: str,
     if cfg.batch.micro_batch != "auto" or cfg.batch.accumulation is not None:
         return None, est
     batches = [p.global_batch for p in cfg.batch.phases] or [cfg.batch.global_batch]
-    return fit_micro_batch(est, max(batches) // max(world_size, 1)), est
+    return fit_micro_batch(est, max(batches) // max(world_size, 1), f"model {cfg.model.name} at width "
+                           f"{cfg.model.width}", "a smaller model.width"), est

@@ -198,15 +198,20 @@ def _memory(args, v: dict[str, Any], kw: dict) -> dict:
     if "memory_gb" not in entry:
         return {}
     sizes = [v["image_size"], *(size for _, size in (v["resolution_phases"] or []))]
-    with torch.device("meta"):
-        net = build_model(v["model"], num_classes=v["num_classes"], in_channels=v["in_channels"], stem=v["stem"],
-                          width=v["width"])
+    try:
+        with torch.device("meta"):
+            net = build_model(v["model"], num_classes=v["num_classes"], in_channels=v["in_channels"], stem=v["stem"],
+                              width=v["width"])
+    except (RuntimeError, ValueError):   # shapes beyond what torch can describe: too large for any device
+        raise UserError(f"model {v['model']} at width {v['width']} does not fit in memory (its shapes overflow); "
+                        "give a smaller --width.") from None
     source = f"{entry.get('name', args.device)}: {entry.get('memory_gb_source', 'the catalog')}"
     est = memory.estimate_net(net, in_channels=v["in_channels"], image_size=max(sizes), precision=v["precision"],
                               optimizer=v["optimizer"], momentum=0.9, ema=False, device_type="cuda",
                               device_bytes=int(float(entry["memory_gb"]) * 1e9), source=source)
     batches = [gb for _, gb in (v["batch_phases"] or [])] or [v["global_batch"]]
-    cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1))
+    cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1), f"model {v['model']} at width "
+                                 f"{v['width']}", "a smaller --width")
     micro, _ = memory.split(max(batches) // max(args.devices, 1), cap)
     return {"micro_cap": cap, "memory_note": est.describe(micro)}
 
@@ -434,9 +439,10 @@ def main(argv: list[str]) -> int:
             print(f"\n{ok} of {n} validation rows within 25% of the published figure.")
         return 0
     kw = _kwargs(args, v)
-    kw.update(_memory(args, v, kw))
     if args.sweep:
         return _sweep(args, kw)
+    predict(**kw)   # its own checks first (flags, a gradient too large for its buckets)
+    kw.update(_memory(args, v, kw))
     p = predict(**kw)
     if args.json:
         result = p.to_json()

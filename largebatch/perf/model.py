@@ -47,7 +47,6 @@ from typing import Any
 
 from largebatch.algorithms import ALLREDUCE, MODEL_ONLY
 from largebatch.errors import UserError
-from largebatch.memory import split
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
 from largebatch.perf.catalog import DEFAULT_STACK, Device, default_stack, get_device, get_link, stack_factor
 from largebatch.perf.flops import model_cost
@@ -175,6 +174,17 @@ def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str,
         comm.append(cache[s])
     exposed = overlap(2.0 * t_c / 3.0, comm, sizes, do_overlap)     # 4.
     return t_c, sum(comm), exposed, t_c + exposed                 # 5.
+
+
+def split(per_worker: int, cap: int | None) -> tuple[int, int]:
+    """(micro-batch, accumulation): the fewest equal micro-batches of at most `cap` images (schedule.split_batch's
+    rule; largebatch/memory.py's `batch.micro_batch: auto`)."""
+    if cap is None or cap >= per_worker:
+        return per_worker, 1
+    accumulation = -(-per_worker // cap)
+    while per_worker % accumulation:
+        accumulation += 1
+    return per_worker // accumulation, accumulation
 
 
 def _segments(epochs: float, global_batch: int, image_size: int, batch_phases: list[tuple[float, int]] | None,
