@@ -44,6 +44,17 @@ def pytest_report_header(config):
     return "stack: " + ", ".join(installed(lib) for lib in ("torch", "torchvision", "timm"))
 
 
+def require_library(lib: str):
+    """`lib` imported, or this test skipped saying so; a failure instead under make test-eco
+    (LARGEBATCH_REQUIRE_LIBRARIES), whose environment has timm and torchvision."""
+    try:
+        return __import__(lib)
+    except ImportError as err:
+        if os.environ.get("LARGEBATCH_REQUIRE_LIBRARIES"):
+            pytest.fail(f"{lib} does not import in this environment ({err}), which make test-eco says has it")
+        pytest.skip(f"{lib} does not import here ({err}); make test-eco runs this in an environment that has it")
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import require_library
 from largebatch.config import OptimConfig
 from largebatch.errors import UserError
 from largebatch.models import build_model, build_model_recorded, check_model_name, count_flops
@@ -188,14 +188,6 @@ def test_a_bad_factory_through_train_exits_2_and_writes_nothing(cli, tmp_path, n
 
 # ---- timm and torchvision, where installed -----------------------------------------------------------------
 
-def _library(lib: str):
-    try:
-        return __import__(lib)
-    except ImportError as err:
-        if os.environ.get("LARGEBATCH_REQUIRE_LIBRARIES"):
-            pytest.fail(f"{lib} does not import in this environment ({err}), which make test-eco says has it")
-        pytest.skip(f"{lib} does not import here ({err}); make test-eco runs this in an environment that has it")
-
 
 LIBRARY_MODELS = ["timm:resnet18", "timm:resnet50", "torchvision:resnet18", "torchvision:resnet50"]
 # The residual gamma zeroed in each block, as both libraries name it: the branch's last BN.
@@ -226,7 +218,7 @@ def _decay_groups(net: nn.Module) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("name", LIBRARY_MODELS)
 def test_a_library_resnet_gets_zero_init_lars_groups_and_flops(name):
     lib, arch = name.split(":")
-    _library(lib)
+    require_library(lib)
     net, built = build_model_recorded(name, 10)
     assert built.source.startswith(lib) and built.parameters == sum(p.numel() for p in net.parameters())
     assert built.zero_init == f"argument {ZERO_INIT_ARGUMENT[lib]}=True", built.zero_init
@@ -258,7 +250,7 @@ def test_a_library_resnet_trains_checkpoints_resumes_and_evaluates(cli, tmp_path
     """32 px images at the library's own width; one intra-op thread (make test-eco runs two tests at a time on 2
     cores). ResNet-50 leaves out the separate `evaluate` (the resumed run's own evaluation stands for it: the same
     rebuild from config.yaml as ResNet-18's `evaluate`, 10 s saved per library)."""
-    _library(name.split(":")[0])
+    require_library(name.split(":")[0])
     _train_resume_evaluate(cli, tmp_path, name, ["--set", "data.image_size=32", "--set", "train.threads=1"],
                            evaluate=name.endswith("resnet18"))
 
@@ -266,7 +258,7 @@ def test_a_library_resnet_trains_checkpoints_resumes_and_evaluates(cli, tmp_path
 @pytest.mark.library
 @pytest.mark.parametrize("lib", ["timm", "torchvision"])
 def test_a_library_name_that_does_not_exist_is_one_sentence(lib):
-    _library(lib)
+    require_library(lib)
     with pytest.raises(UserError) as err:
         check_model_name(f"{lib}:resnet500")
     assert "has no model 'resnet500'" in str(err.value) and f"did you mean {lib}:resnet50" in str(err.value)
@@ -274,7 +266,7 @@ def test_a_library_name_that_does_not_exist_is_one_sentence(lib):
 
 @pytest.mark.library
 def test_a_library_name_that_does_not_exist_through_train_exits_2_and_writes_nothing(cli, tmp_path):
-    _library("timm")
+    require_library("timm")
     proc = cli("train", "--set", "model.name=timm:resnet500", "--set", "data.dataset=synthetic",
                "--run-dir", tmp_path / "run", "--quiet")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -17,7 +17,6 @@ library that does not import is a failure (LARGEBATCH_REQUIRE_LIBRARIES=1); else
 from __future__ import annotations
 
 import io
-import os
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
+from conftest import require_library
 from largebatch.config import OptimConfig
 from largebatch.data import jpeg
 from largebatch.models import Normalize, build_model
@@ -34,14 +34,6 @@ from largebatch.schedule import lr_at_epoch
 
 pytestmark = [pytest.mark.oracle, pytest.mark.timeout(300)]
 
-
-def _need(lib: str):
-    try:
-        return __import__(lib)
-    except ImportError as err:
-        if os.environ.get("LARGEBATCH_REQUIRE_LIBRARIES"):
-            pytest.fail(f"{lib} does not import in this environment ({err}), which make test-eco says has it")
-        pytest.skip(f"{lib} does not import here ({err}); make test-eco runs this oracle where it does")
 
 
 # ---- 1. ResNets: largebatch's against torchvision's ------------------------------------------------------------
@@ -73,7 +65,7 @@ def _randomise_(net: nn.Module, seed: int) -> None:
 
 @pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
 def test_resnet_is_torchvisions_tensor_for_tensor_and_bit_for_bit(arch, one_thread):
-    _need("torchvision")
+    require_library("torchvision")
     import torchvision
 
     torch.manual_seed(0)
@@ -177,7 +169,7 @@ TOL = 1e-9   # the largest relative difference of any tensor after 30 float64 st
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_lars_is_timms_lars(nesterov, one_thread):
-    _need("timm")
+    require_library("timm")
     from timm.optim import Lars, param_groups_weight_decay
 
     cfg = OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, trust_coefficient=0.001, lars_eps=0.0,
@@ -218,7 +210,7 @@ def test_lars_is_timms_lars(nesterov, one_thread):
 
 
 def test_lamb_is_timms_lamb(one_thread):
-    _need("timm")
+    require_library("timm")
     from timm.optim import Lamb, param_groups_weight_decay
 
     cfg = OptimConfig(name="lamb", weight_decay=0.01, betas=[0.9, 0.999], lamb_eps=1e-6)
@@ -282,7 +274,7 @@ def test_jpeg_crop_is_torchvisions_random_resized_crop_and_flip(monkeypatch, one
        FULL_SCALE_TOLERANCE (the fast IDCT, the chroma upsampling and the IDCT's 1/k scaling differ). The box is the
        plan's at full scale; a decode at 1/k scale crops it rounded to whole decoded pixels, within k - 1 pixels.
     Sizes 160 and 64 on a 768 x 576 JPEG give every DCT factor (1, 2, 4, 8), each with and without the flip."""
-    _need("torchvision")
+    require_library("torchvision")
     from torchvision.io import ImageReadMode, decode_jpeg
 
     buf = io.BytesIO()

@@ -193,6 +193,7 @@ def _memory(args, v: dict[str, Any], kw: dict) -> dict:
     from largebatch import memory
     from largebatch.models import build_model
     from largebatch.perf.catalog import load_catalog
+    from largebatch.perf.model import split
 
     entry = load_catalog()["devices"].get(args.device, {})
     if "memory_gb" not in entry:
@@ -212,7 +213,7 @@ def _memory(args, v: dict[str, Any], kw: dict) -> dict:
     batches = [gb for _, gb in (v["batch_phases"] or [])] or [v["global_batch"]]
     cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1), f"model {v['model']} at width "
                                  f"{v['width']}", "a smaller --width")
-    micro, _ = memory.split(max(batches) // max(args.devices, 1), cap)
+    micro, _ = split(max(batches) // max(args.devices, 1), cap)
     return {"micro_cap": cap, "memory_note": est.describe(micro)}
 
 
