@@ -18,7 +18,7 @@ touches tensors.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -172,3 +172,48 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, static: bool = False) ->
             current.fill_(lr)
         else:
             group["lr"] = torch.full((), lr, dtype=dtype, device=device)
+
+
+class NoFaults:
+    """The fault knob of a step outside `largebatch train` (benches, calibration, scripts): never a fault."""
+
+    def poison(self, step: int) -> bool:
+        return False
+
+
+class LocalBatch(NamedTuple):
+    """What `TrainStep` reads of a phase when no schedule made one: the images per worker in a step."""
+    per_worker_batch: int
+    global_batch: int
+
+
+def local_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
+               precision: str = "fp32", channels_last: bool = False, label_smoothing: float = 0.0,
+               forward=None, ddp: nn.Module | None = None, world_size: int = 1, ema=None,
+               max_nonfinite: int = 2**62) -> "LocalStep":
+    """The product's step (steps 2, 4 and 5 above) for a bench, the calibration or a script: `model` and
+    `optimizer` built by the caller, `forward` the module the step calls (`ddp`, a compiled model; default:
+    `ddp` or `model`), `ddp` the DDP module when `world_size` > 1. No EMA unless given, no noise scale, no
+    injected faults, the fp16 loss scale when `precision` is fp16. Call it with the step's micro-batches,
+    already on the device, and the lr."""
+    ddp = ddp if ddp is not None else model
+    step = TrainStep(model=model, ddp=ddp, forward=forward if forward is not None else ddp, optimizer=optimizer,
+                     scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), ema=ema, noise=None,
+                     faults=NoFaults(), device=device, world_size=world_size, precision=precision,
+                     channels_last=channels_last, label_smoothing=label_smoothing, log_every=2**62,
+                     max_nonfinite=max_nonfinite, progress=Progress())
+    return LocalStep(step, world_size)
+
+
+class LocalStep:
+    """`local_step`'s callable: `step(micros, lr)` runs one optimizer step and returns the summed loss (on the
+    device, no host sync); `step.train_step` is the `TrainStep` itself."""
+
+    def __init__(self, train_step: TrainStep, world_size: int) -> None:
+        self.train_step, self.world_size, self.count = train_step, world_size, 0
+
+    def __call__(self, micros: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> torch.Tensor:
+        per_worker = sum(len(y) for _, y in micros)
+        loss = self.train_step(self.count, micros, LocalBatch(per_worker, per_worker * self.world_size), lr)
+        self.count += 1
+        return loss

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from largebatch.commands.bench.train import largebatch_step_fn, measure, parse_config, peer_model, plain_step_fn
+from largebatch.commands.bench.baselines import peer_model, plain_step_fn
+from largebatch.commands.bench.train import largebatch_step_fn, measure, parse_config
 
 
 def main() -> None:

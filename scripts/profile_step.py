@@ -17,10 +17,11 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from largebatch.models.flops import count_macs
 from largebatch.models.speedrun import SpeedrunNet
+from largebatch.optim import SGD
+from largebatch.step import local_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--width", type=int, default=12)
@@ -34,20 +35,20 @@ torch.set_num_threads(1)
 
 
 def make_step(variant: str):
-    """One training step of `variant` on its own model, optimizer and batch."""
+    """One training step of `variant` on its own model, optimizer and batch: the product's step
+    (largebatch.step.local_step) with its fused SGD."""
     torch.manual_seed(0)
     net = SpeedrunNet(num_classes=10, width=args.width, act="relu" if variant == "relu" else "gelu")
     fmt = torch.contiguous_format if variant == "nchw" else torch.channels_last
     net = net.to(memory_format=fmt)
-    fwd = torch.compile(net) if variant == "compile" else net
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    step = local_step(net, SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True), device=torch.device("cpu"),
+                      channels_last=variant != "nchw", label_smoothing=0.1,
+                      forward=torch.compile(net) if variant == "compile" else net)
     xb = torch.randn(args.batch, 1, 28, 28).contiguous(memory_format=fmt)
     yb = torch.randint(0, 10, (args.batch,))
 
     def one() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(fwd(xb), yb, label_smoothing=0.1).backward()
-        opt.step()
+        step([(xb, yb)], 0.1)
     return one
 
 

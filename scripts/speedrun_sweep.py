@@ -1,5 +1,6 @@
 """Speed-run sweeps outside the trainer: one process, the whole loop in ~100 lines, so that a model or
 hyperparameter change can be judged in one 2-4 minute run (its sweep: docs/benchmarks.md at f9c730e, "Speed run").
+The step is the product's (`largebatch.step.local_step`, with its fused SGD and EMA).
 
 The loop is the speed-run recipe's: Fashion-MNIST resident as uint8, a random flip per image (and with
 --crop P a random +-P px translation; both `largebatch.data.memory.MemorySource.crop_flip`, the
@@ -25,6 +26,8 @@ from largebatch.data.idx import read_idx
 from largebatch.data.memory import MemorySource
 from largebatch.models import Normalize
 from largebatch.models.speedrun import SpeedrunNet
+from largebatch.optim import SGD, build_ema
+from largebatch.step import local_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--width", type=int, default=8)
@@ -60,12 +63,14 @@ def build(width: int, act: str, scale: float) -> nn.Module:
 
 model = build(a.width, a.act, a.scale).to(memory_format=torch.channels_last)
 decay, no_decay = [], []
-for n_, p_ in model.named_parameters():
+for p_ in model.parameters():
     (decay if p_.ndim > 1 else no_decay).append(p_)
 lr0 = a.lr
-opt = torch.optim.SGD([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0}],
-                      lr=lr0, momentum=0.9, nesterov=True)
-ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(a.ema), use_buffers=True) if a.ema else None
+opt = SGD([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0}],
+          lr=lr0, momentum=0.9, nesterov=True)
+ema = build_ema(model, a.ema or None)
+# the product's step (largebatch.step): loss / batch, the finiteness verdict, the fused SGD, the EMA
+train_step = local_step(model, opt, device=torch.device("cpu"), channels_last=True, label_smoothing=a.ls, ema=ema)
 N = xtr.shape[0]
 steps_per_epoch = N // a.batch
 total = int(a.epochs * steps_per_epoch)
@@ -110,10 +115,7 @@ while step < total:
         idx = perm[b * a.batch:(b + 1) * a.batch]
         x = train_data.crop_flip(idx, ep).contiguous(memory_format=torch.channels_last)
         y = ytr[idx]
-        for gr in opt.param_groups: gr["lr"] = lr_at(step)
-        loss = F.cross_entropy(model(x), y, label_smoothing=a.ls)
-        opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
-        if ema is not None: ema.update_parameters(model)
+        train_step([(x, y)], lr_at(step))
         step += 1
     ep += 1
     if a.evals and ep % a.evals == 0 and step < total:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from largebatch import config
-from largebatch.commands.bench.speedrun import plain_cnn
+from largebatch.commands.bench.baselines import plain_cnn
 from largebatch.models import build_model, count_macs
 from largebatch.models.speedrun import SpeedrunNet
 

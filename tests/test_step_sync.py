@@ -247,3 +247,36 @@ def test_cuda_graph_on_without_cuda_is_one_sentence_and_exit_2(tmp_path, cli):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "train.cuda_graph is on but CUDA graphs need a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_benches_step_is_the_products_and_equals_the_plain_loop_on_finite_steps_and_skips_a_nan_one():
+    """`step.local_step` (the step of the benches, the calibration and the scripts) is a `TrainStep`: on finite
+    batches it equals the plain PyTorch loop (mean cross-entropy, backward, SGD with momentum) bit for bit within
+    float tolerance, with no host sync; a NaN batch leaves the weights as they were and is counted."""
+    from largebatch.step import TrainStep, local_step
+
+    torch.manual_seed(0)
+    mine = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    plain = copy.deepcopy(mine)
+    step = local_step(mine, SGD(mine.parameters(), lr=0.1, momentum=0.9, nesterov=True), device=torch.device("cpu"),
+                      label_smoothing=0.1)
+    assert isinstance(step.train_step, TrainStep)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    for i in range(5):
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        lr = 0.1 * (i + 1) / 5
+        with HostSyncs() as seen:
+            step([(x[:8], y[:8]), (x[8:], y[8:])], lr)   # two micro-batches: the loss is still / 16
+        assert not seen.seen
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        nn.functional.cross_entropy(plain(x), y, label_smoothing=0.1).backward()
+        opt.step()
+    for a, b in zip(mine.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b)
+    before = [p.clone() for p in mine.parameters()]
+    step([(torch.full((4, 6), float("nan")), torch.zeros(4, dtype=torch.long))], 0.1)
+    assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+    step.train_step.check()
+    assert step.train_step.progress.nonfinite_total == 1

@@ -6,7 +6,7 @@ sharing of cores as an `nproc`-process training run; GPU: one GPU per process, N
 
 1. Peak: a timed matmul (n x n x n, 2n^3 FLOPs) in every worker at once; the median rate (CPU: fp32; GPU: in
    the run's precision, TF32 for fp32).
-2. Compute curve: forward + backward + SGD step of the model at two per-device batches b1 < b2
+2. Compute curve: largebatch's training step (forward, backward, fused SGD) of the model at two per-device batches b1 < b2
    in every worker at once (no communication; GPU: autocast in the precision, channels_last); the medians
    t1, t2 fit t(b) = t_img (b + b_half):
    t_img = (t2 - t1) / (b2 - b1), b_half = t1 / t_img - b1, eff_max = 3F / (peak t_img).
@@ -71,7 +71,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: str) -> None:
     from largebatch.models import build_model
+    from largebatch.optim import SGD
     from largebatch.rundir import watch_parent
+    from largebatch.step import local_step
 
     watch_parent(spec["parent"])   # a killed `plan --calibrate` takes its measuring workers with it
 
@@ -101,21 +103,16 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], results: str
         fmt = torch.channels_last if cuda else torch.contiguous_format
         model = model.to(memory_format=fmt)  # type: ignore[call-overload]  # Module.to takes it; the stubs omit it
         model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        # the product's step (largebatch.step: autocast, the fp16 loss scale, the finiteness verdict) with its
+        # fused SGD, on one worker's model: no communication in the compute curve
+        step = local_step(model, SGD(model.parameters(), lr=0.01, momentum=0.9), device=device,
+                          precision=spec["precision"], channels_last=cuda)
         for key, bsz in (("t1", spec["b1"]), ("t2", spec["b2"])):
             x = torch.randn(bsz, spec["in_channels"], spec["image_size"], spec["image_size"],
                             device=device).contiguous(memory_format=fmt)
             y = torch.randint(0, spec["num_classes"], (bsz,), device=device)
-
-            def step() -> None:
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-
             dist.barrier()
-            out[key] = _timed(step, reps, device)
+            out[key] = _timed(lambda: step([(x, y)], 0.01), reps, device)
         src = torch.empty(spec["copy_bytes"], dtype=torch.uint8, device=device)  # 3.
         dst = torch.empty_like(src)
         out["copy_s"] = _timed(lambda: dst.copy_(src), reps, device)

@@ -457,13 +457,9 @@ def _plot(rows: list[dict[str, Any]], path: str, p: int, nodes: int) -> None:
 # --training: exposed communication time per DDP step
 
 def _model(width: int) -> torch.nn.Module:
-    try:
-        from largebatch.models import build_model
+    from largebatch.models import build_model
 
-        return build_model("resnet18", num_classes=10, in_channels=3, stem="small", width=width)
-    except ImportError:                             # models not there yet: a tiny conv net
-        return torch.nn.Sequential(torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(),
-                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, 10))
+    return build_model("resnet18", num_classes=10, in_channels=3, stem="small", width=width)
 
 
 def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, bucket_mb: float = 25.0,
@@ -480,6 +476,9 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from largebatch.optim import SGD
+    from largebatch.step import LocalStep, local_step
+
     device = device or torch.device("cpu")
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
@@ -494,25 +493,25 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
         base, impl = split_name(hook)
         opts = impl_options(base, impl)
         state = None if hook == "ddp" else comm.register(ddp, base, compression=compression, **opts)
-        runs.append((hook, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)))
+        # the product's step (largebatch.step) with its fused SGD, through this DDP module and its hook
+        runs.append((hook, ddp, state, local_step(net, SGD(net.parameters(), lr=0.01, momentum=0.9),
+                                                  device=device, ddp=ddp, world_size=dist.get_world_size())))
 
-    def step(ddp: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    def step(train: LocalStep) -> None:
+        train([(x, y)], 0.01)
 
-    for _, ddp, _, opt in runs:
+    for _, _, _, train in runs:
         for _ in range(warmup):
-            step(ddp, opt)
+            step(train)
     samples: dict[str, list[float]] = {h: [] for h in hooks}
     for i in range(rounds):     # interleaved rounds (load drifts hit every hook alike), each in a rotated order
-        for hook, ddp, _, opt in runs[i % len(runs):] + runs[:i % len(runs)]:   # so no hook always follows another
+        for hook, _, _, train in runs[i % len(runs):] + runs[:i % len(runs)]:   # so no hook always follows another
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
-                step(ddp, opt)
+                step(train)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)

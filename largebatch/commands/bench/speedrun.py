@@ -23,21 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from largebatch.checkpoint import atomic_write
+from largebatch.commands.bench.baselines import plain_cnn, plain_epoch
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError
 
 MEAN, STD = 0.2860, 0.3530
-
-
-def plain_cnn(num_classes: int = 10) -> nn.Module:
-    """Step 2: the classic small CNN for 28 x 28 grayscale images."""
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
-        nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, num_classes))
 
 
 def load(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,10 +83,7 @@ def main(argv: list[str]) -> int:
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
         model.train()
-        for x, y in loader:   # step 3
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        plain_epoch(model, opt, loader)   # step 3
         model.eval()
         with torch.no_grad():   # step 4: evaluation is timed
             correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in zip(test_x.split(1000), test_y.split(1000)))

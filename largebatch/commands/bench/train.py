@@ -47,9 +47,9 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from largebatch.commands.bench import machine
+from largebatch.commands.bench.baselines import peer_model, plain_step_fn, stem
 from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.config import check_threads
@@ -135,56 +135,6 @@ def parse_reference(text: str | None) -> tuple[str, float] | None:
     return name, value
 
 
-def plain_step_fn(args, num_classes: int, device: torch.device, model: torch.nn.Module | None = None,
-                  spec: dict | None = None) -> Callable[[], None]:
-    """Step 2: the plain PyTorch loop, on the same architecture (fp32, NCHW, eager) or, for a peer, on its
-    `model` with the settings of `spec` (precision, channels_last, compile)."""
-    from largebatch.models import build_model
-
-    spec = spec or {"precision": "fp32", "channels_last": False, "compile": False}
-    torch.manual_seed(0)
-    if model is None:
-        model = build_model(args.model, num_classes, in_channels=3, stem=_stem(args), width=args.width)
-    fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
-    model = model.to(device, memory_format=fmt).train()  # type: ignore[call-overload]  # stubs omit memory_format
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    mode = spec["compile"] if isinstance(spec["compile"], str) else None
-    forward = torch.compile(model, mode=mode) if spec["compile"] else model
-    x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device).contiguous(memory_format=fmt)
-    y = torch.randint(0, num_classes, (args.batch,), device=device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["precision"])
-    scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(forward(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    return step
-
-
-def peer_model(peer: str, name: str, num_classes: int) -> torch.nn.Module | str:
-    """A peer library's model `name`, or the reason it cannot be had here (a string)."""
-    try:
-        if peer == "timm":
-            import timm
-
-            return timm.create_model(name, num_classes=num_classes, pretrained=False)
-        import torchvision
-
-        return getattr(torchvision.models, name)(num_classes=num_classes)
-    except ImportError as err:
-        return f"{peer} is not installed ({err})"
-    except (AttributeError, RuntimeError) as err:
-        return f"{peer} has no model {name!r} ({err})"
-
-
-def _stem(args) -> str:
-    return "small" if args.image_size <= 64 else "imagenet"
-
-
 def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = torch.device("cpu")
                        ) -> Callable[[], None]:
     """Step 3: a real Trainer, and a closure running one `train_step` on its next micro-batches."""
@@ -192,7 +142,7 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
     from largebatch.trainer import Trainer
 
     cfg = from_dict({
-        "model": {"name": args.model, "width": args.width, "stem": _stem(args)},
+        "model": {"name": args.model, "width": args.width, "stem": stem(args)},
         "data": {"dataset": "synthetic", "image_size": args.image_size, "num_classes": args.classes,
                  "synthetic_size": max(args.batch * 8, 256)},
         "batch": {"global_batch": args.batch},
@@ -324,7 +274,7 @@ def main(argv: list[str]) -> int:
     peak = max(peak_fp32, peak_bf16)
     log(f"matmul peak ({threads} threads): fp32 {peak_fp32:.1f} GFLOP/s ({sizes[torch.float32]}^3), "
         f"bf16 {peak_bf16:.1f} GFLOP/s ({sizes[torch.bfloat16]}^3)")
-    flops_per_image = 3 * count_flops(build_model(args.model, args.classes, in_channels=3, stem=_stem(args),
+    flops_per_image = 3 * count_flops(build_model(args.model, args.classes, in_channels=3, stem=stem(args),
                                                   width=args.width), (1, 3, args.image_size, args.image_size))
     # 2.-4. Entries, measured interleaved.
     with tempfile.TemporaryDirectory(prefix="largebatch-bench-train-") as tmp:
