@@ -28,7 +28,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)              # the same initial weights on every rank
 model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
 ddp = DDP(model)
-state = comm.register(ddp, args.algorithm)   # DDP's gradient all-reduce now runs largebatch's algorithm
+state = comm.register(ddp, comm.CommHookState(args.algorithm))   # DDP's gradient all-reduce now runs largebatch's algorithm
 
 # 1. The global batch and the peak lr scaled linearly from "5 per 256 images" (LARS takes large lrs).
 per_rank = 16

@@ -24,6 +24,17 @@ INTER = ("halving_doubling", "ring", "native")   # hierarchical's cross-node all
 # compromise between the loaded 1 host x 4 and 2 x 2 cluster measurements (docs/communication.md).
 SMALL_BYTES = 256 << 10
 
+# The default piece count of `pipeline` (largebatch.comm.pipeline.pieces_for): one piece per BYTES of the tensor, at
+# most MOST, per implementation. The p2p form pays a Python round trip per piece; the native-composed form issues
+# work handles, so smaller pieces pay (docs/communication.md: torus2d:native at 16 MB, 1.40x native's busbw with 8
+# pieces, 1.46x with 16).
+PIECES = {"p2p": (4 << 20, 8), "native": (1 << 20, 32)}
+
+
+def pieces_default() -> str:
+    """The default of `pipeline` in words, from `PIECES`: what the option table, the errors and the docs say."""
+    return ", ".join(f"one piece per {size >> 20} MB (at most {most}) for {impl}" for impl, (size, most) in PIECES.items())
+
 
 @dataclass(frozen=True)
 class Option:
@@ -38,9 +49,9 @@ class Option:
 OPTIONS: dict[str, Option] = {
     "grid": Option(None, ("torus2d",), "torus2d grid 'XxY' (default: processes per node x nodes)"),
     "pipeline": Option(None, TWO_LEVEL,
-                       "torus2d/hierarchical with impl p2p: pieces per bucket overlapped across the two levels "
-                       "(default one per 4 MB, at most 8; 1 = off). The native hook overlaps whole buckets "
-                       "instead: make them smaller with comm.bucket_mb"),
+                       "torus2d/hierarchical: pieces of a tensor overlapped across the two levels (default "
+                       f"{pieces_default()}; 1 = off). As a DDP hook, impl p2p only: the native hook overlaps whole "
+                       "buckets instead, so make them smaller with comm.bucket_mb"),
     "impl": Option(DEFAULT_IMPL, TWO_LEVEL,
                    "torus2d/hierarchical: 'native' (the backend's reduce-scatter, all-reduce and all-gather, "
                    "future-chained, no thread; the default) or 'p2p' (point-to-point steps on a communication "

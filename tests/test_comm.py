@@ -133,7 +133,7 @@ def _check_ddp(p: int, rank: int, two_levels: bool = False) -> None:
         if hook == "hierarchical":                       # one rank per "node", likewise
             fast_path_off.update(local_size=1, **pieces)
         fast_path_off.update(extra)
-        state = comm.register(net, hook, compression=compression, **fast_path_off) if hook else None
+        state = comm.register(net, comm.CommHookState(hook, compression=compression, **fast_path_off)) if hook else None
         if state is not None and hook != "noop":         # the backend's own collectives need no thread
             assert (state._thread is None) == state.chained, (hook, extra)
             impl = extra.get("impl", DEFAULT_IMPL) if hook in TWO_LEVEL else None

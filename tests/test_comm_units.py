@@ -18,6 +18,7 @@ from largebatch.comm.hook import CommHookState
 from largebatch.comm.topology import resolve_grid, resolve_local_size
 from largebatch.errors import UserError
 from largebatch.perf.topology import Topology
+from conftest import ROOT
 
 
 @pytest.mark.parametrize("n, parts", [(0, 3), (1, 4), (5, 8), (1009, 6), (262147, 8), (12, 4)])
@@ -265,3 +266,26 @@ def test_pipeline_is_read_or_refused(sets: list[str], match: str) -> None:
     assert dict(CommHookState.from_config(cfg.comm).spec.options)["pipeline"] == 4
 
 
+
+
+def test_register_takes_one_state_and_the_pipeline_default_is_said_as_the_code_has_it() -> None:
+    """`comm.register(ddp, state)` is the one entry point: a name, a config section or options are a TypeError
+    naming how to build the state. The pipeline's default pieces are one table (`algorithms.PIECES`) that
+    `pieces_for`, the option's documentation, dispatch's error and docs/communication.md all say."""
+    import torch
+
+    from largebatch import algorithms
+    from largebatch.comm.pipeline import pieces_for
+
+    for wrong in ("ring", CommHookState):
+        with pytest.raises(TypeError, match=r"CommHookState\(algorithm, \*\*options\) or CommHookState.from_config"):
+            comm.register(torch.nn.Linear(2, 2), wrong)  # type: ignore[arg-type]
+    for impl, (size, most) in algorithms.PIECES.items():
+        assert pieces_for(None, 3 * size, impl) == 3 and pieces_for(None, 1000 * most * size, impl) == most
+        said = f"one piece per {size >> 20} MB (at most {most}) for {impl}"
+        assert said in algorithms.OPTIONS["pipeline"].doc
+        row = next(line for line in (ROOT / "docs/communication.md").read_text().splitlines()
+                   if line.startswith("| `pipeline=N`"))
+        assert f"one per {size >> 20} MB (at most {most}) for `{impl}`" in row
+    with pytest.raises(UserError, match="or left unset for the default: one piece per 4 MB"):
+        comm.resolve("torus2d", {"pipeline": 0})

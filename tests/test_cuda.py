@@ -167,7 +167,7 @@ def _two_ranks_on_one_gpu(rank: int, port: int) -> None:
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=None, bucket_cap_mb=0.05)
             name, _, impl = algorithm.partition(":")
             opts = {"impl": impl, "grid": "2x1", "small_bytes": 0} if impl else {}
-            state = comm.register(ddp, name, **opts) if algorithm != "native" else None
+            state = comm.register(ddp, comm.CommHookState(name, **opts)) if algorithm != "native" else None
             gen = torch.Generator().manual_seed(rank)
             x = torch.randn(8, 3, 32, 32, generator=gen).to(CUDA, non_blocking=True)
             y = torch.randint(0, 10, (8,), generator=gen).to(CUDA)

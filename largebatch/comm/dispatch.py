@@ -18,7 +18,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of
+from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of, pieces_default
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -76,7 +76,7 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
         pl = merged["pipeline"]
         if isinstance(pl, bool) or not isinstance(pl, int) or pl < 1:
             raise UserError(f"pipeline={pl!r} must be a whole number of pieces >= 1 (1 turns the overlap of "
-                            f"the two levels off), or left unset for one piece per 4 MB.")
+                            f"the two levels off), or left unset for the default: {pieces_default()}.")
     if "grid" in merged and merged["grid"] is not None:
         from largebatch.comm.topology import parse_grid
 

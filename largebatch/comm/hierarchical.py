@@ -16,8 +16,8 @@ ranks ``mK .. mK+K-1``.
    carrying 1/K of the tensor.
 3. All-gather inside each node (ring).
 
-Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default one
-piece per 4 MB, see `largebatch.comm.pipeline`), so the in-node steps of one piece
+Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default
+`largebatch.algorithms.PIECES`, see `largebatch.comm.pipeline`), so the in-node steps of one piece
 overlap the cross-node all-reduce of another.
 
 ``impl="native"`` runs steps 1 and 3 as the backend's ``reduce_scatter_tensor`` and

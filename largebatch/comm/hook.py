@@ -34,7 +34,7 @@ its future, chained with ``then`` to the next steps (`largebatch.comm.composed`)
 
 The state (`CommHookState`) holds only validated, picklable fields; its process
 group, sub-groups and thread are runtime resources that ``__getstate__`` drops,
-so the state can be checkpointed and re-installed with `register`.
+so the state can be checkpointed and re-installed with `register(ddp_model, state)`.
 """
 import queue
 import threading
@@ -261,30 +261,20 @@ def install(ddp_model: torch.nn.Module, section: Any) -> Optional[CommHookState]
     own all-reduce is the algorithm (native, uncompressed), which needs no hook. Collective, as `register`."""
     if not CommHookState.needed(section):
         return None
-    return register(ddp_model, state=CommHookState.from_config(section))
+    return register(ddp_model, CommHookState.from_config(section))
 
 
-def register(ddp_model: torch.nn.Module, algorithm: Any = "ring", **options: Any) -> CommHookState:
-    """Install ``algorithm`` (with ``options``) on ``ddp_model``; returns the hook state. ``algorithm`` may be
-    a `CommHookState`, or the run's ``comm`` config section itself (`config.CommConfig`), whose set fields are
-    the options.
+def register(ddp_model: torch.nn.Module, state: CommHookState) -> CommHookState:
+    """Install the hook of ``state`` on ``ddp_model`` (a DDP module) and return the state, started: the one entry
+    point, as torch's ``register_comm_hook(state, hook)``. Build the state with `CommHookState` (an algorithm
+    and its options, validated there) or `CommHookState.from_config` (a run's ``comm`` section); an unpickled
+    state is installed the same way.
 
     Collective: call on every rank, in the same order as other group creations.
-    ``options``: compression, grid, local_size, inter, pipeline, small_bytes, timeout_s, impl (``None`` = default),
-    mesh (a 2-D DeviceMesh standing for torus2d's grid or hierarchical's local_size);
-    or ``state=`` an existing (e.g. unpickled) `CommHookState`.
     """
-    state = options.pop("state", None)
-    if isinstance(algorithm, CommHookState):
-        state, algorithm = algorithm, None
-    elif not isinstance(algorithm, str):   # a config section (config.CommConfig)
-        if options:
-            raise TypeError("give a comm config section or options, not both")
-        state = CommHookState.from_config(algorithm)
-    if state is None:
-        state = CommHookState(algorithm, **options)
-    elif options:
-        raise TypeError("give either state= or options, not both")
+    if not isinstance(state, CommHookState):
+        raise TypeError(f"register takes a CommHookState, not {type(state).__name__}; build it with "
+                        "CommHookState(algorithm, **options) or CommHookState.from_config(cfg.comm).")
     device = next((p.device for p in ddp_model.parameters()), None)
     state.start(getattr(ddp_model, "process_group", None), device)
     # a DDP module: nn.Module's typing does not know its methods

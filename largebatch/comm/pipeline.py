@@ -38,18 +38,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from largebatch.algorithms import PIECES
 from largebatch.comm import ring
 from largebatch.comm.chunking import bounds
 from largebatch.comm.compression import Codec
 
-PIECE_BYTES = 4 << 20
-MAX_PIECES = 8
-# The native-composed form issues its pieces as work handles, so a piece costs a queue entry, not a Python
-# round trip, and smaller pieces expose less of the first reduce-scatter and the last all-gather: on 2 hosts
-# x 2 at 1 Gbit/s, torus2d:native at 16 MB reached 1.40x native's busbw with 8 pieces, 1.46x with 16
-# (docs/communication.md).
-COMPOSED_PIECE_BYTES = 1 << 20
-COMPOSED_MAX_PIECES = 32
+PIECE_BYTES, MAX_PIECES = PIECES["p2p"]                       # the table of defaults: largebatch.algorithms
+COMPOSED_PIECE_BYTES, COMPOSED_MAX_PIECES = PIECES["native"]   # work handles: smaller pieces pay (PIECES' note)
 
 _lock = threading.Lock()
 _worker: Optional[ThreadPoolExecutor] = None

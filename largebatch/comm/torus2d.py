@@ -10,8 +10,8 @@ nodes, so rows stay inside a node and only columns cross the network.
    column, on the column's own sub-group): it now holds the global sum.
 3. All-gather along each row (`ring.all_gather`): every rank ends with the whole sum.
 
-Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default one
-piece per 4 MB, see `largebatch.comm.pipeline`), so the row steps of one piece overlap
+Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default
+`largebatch.algorithms.PIECES`, see `largebatch.comm.pipeline`), so the row steps of one piece overlap
 the column all-reduce of another.
 
 ``impl="native"`` runs the same three steps as the backend's own collectives

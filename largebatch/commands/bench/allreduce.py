@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch import comm
+from largebatch.algorithms import pieces_default
 from largebatch.commands.bench import machine
 from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
@@ -107,7 +108,7 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--grid", default=None, help="torus2d grid XxY (default: processes per node x nodes)")
     ap.add_argument("--local-size", type=int, default=None, help="hierarchical processes per node")
     ap.add_argument("--pipeline", type=int, default=None,
-                    help="torus2d/hierarchical pieces overlapped across levels (default one per 4 MB; 1 = off)")
+                    help=f"torus2d/hierarchical pieces overlapped across levels (default {pieces_default()}; 1 = off)")
     ap.add_argument("--small-bytes", type=int, default=None,
                     help="p2p algorithms hand tensors below this many bytes to native (default: "
                          f"{comm.SMALL_BYTES}, i.e. {human(comm.SMALL_BYTES)}; 0 = always run the algorithm itself)")
@@ -492,7 +493,7 @@ def measure_training(algorithms: list[str], steps: int = 6, batch: int = 16, buc
         ddp = DDP(net, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None)
         base, impl = split_name(hook)
         opts = impl_options(base, impl)
-        state = None if hook == "ddp" else comm.register(ddp, base, compression=compression, **opts)
+        state = None if hook == "ddp" else comm.register(ddp, comm.CommHookState(base, compression=compression, **opts))
         # the product's step (largebatch.step) with its fused SGD, through this DDP module and its hook
         runs.append((hook, ddp, state, local_step(net, SGD(net.parameters(), lr=0.01, momentum=0.9),
                                                   device=device, ddp=ddp, world_size=dist.get_world_size())))
