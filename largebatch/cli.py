@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench optim": ("largebatch.commands.bench.optim", "optimizer step time: LARS / LAMB against torch SGD"),
     "bench speedrun": ("largebatch.commands.bench.speedrun", "Fashion-MNIST time-to-accuracy of a plain PyTorch CNN baseline"),
     "bench scaling": ("largebatch.commands.bench.scaling", "weak-scaling efficiency 1 -> N workers per algorithm"),
-    "cluster run": ("largebatch.commands.cluster", "run a command on real separate hosts made of network namespaces"),
+    "emulate hosts": ("largebatch.commands.emulate_hosts",
+                      "emulate a cluster on this machine: separate hosts made of network namespaces (root)"),
     "study": ("largebatch.commands.experiment", "run an experiment file (experiments/*.yaml): its studies in order"),
     "study batch-scaling": ("largebatch.commands.study", "top-1 against global batch per optimizer"),
     "study batch-control": ("largebatch.commands.study_variants:main_batch_control",
@@ -39,6 +40,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data index": ("largebatch.data.wds", "count the samples of WebDataset shards into an index.json beside them"),
     "chaos": ("largebatch.commands.chaos", "kill workers at random during a run and check it survives"),
 }
+
+# old command -> its new name: refused with one sentence naming the new one
+RENAMED = {"cluster run": "emulate hosts"}
 
 
 def _usage() -> str:
@@ -59,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
+    old = next((name for name in RENAMED if argv[0] == name.split()[0]), None)   # a group word that is gone
+    if old is not None:
+        print(f"largebatch: error: '{old}' is now 'largebatch {RENAMED[old]}' ({COMMANDS[RENAMED[old]][1]}); "
+              "a real cluster runs 'largebatch train' under torchrun on each node (docs/multinode.md).",
+              file=sys.stderr)
+        return 2
     for words in (2, 1):
         name = " ".join(argv[:words])
         if len(argv) >= words and name in COMMANDS:

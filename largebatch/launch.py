@@ -3,7 +3,7 @@
 Every command that starts workers on this host builds the torchrun arguments with `local_workers` and runs
 them with `run_agent` (`largebatch train` with --nproc-per-node 2 or more or with restarts, `evaluate` with
 --nproc-per-node 2 or more, `bench allreduce`; one worker without restarts runs in the launching process), or
-through `python -m largebatch.launch TORCHRUN_ARGS` where the agent must be its own process (`cluster run`
+through `python -m largebatch.launch TORCHRUN_ARGS` where the agent must be its own process (`emulate hosts`
 starts one per namespaced host). What it adds to torchrun:
 
 1. Exit codes: 2 when a worker exited 2 (it printed the user's one-sentence error; the peers that the
@@ -17,7 +17,7 @@ starts one per namespaced host). What it adds to torchrun:
    traceback there (and, from C++, 40 lines of stack frames per failed store call). Here it is one line
    naming the store and its node, exit code EXIT_STORE_LOST (3), and this node's workers stopped (the agent
    stops them on its way out). The code says "ended because another node did": whoever gathers the nodes'
-   codes (`cluster run`) reports the host's own code, which says why, and may see this one first (the host's
+   codes (`emulate hosts`) reports the host's own code, which says why, and may see this one first (the host's
    process still tears down after its store is gone). Not all nodes at the rendezvous in time is a user
    error (wrong --nnodes or endpoint).
 """

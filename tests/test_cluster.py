@@ -1,8 +1,8 @@
-"""`largebatch cluster run`: namespaces are made and always removed, the hosts talk over
+"""`largebatch emulate hosts`: namespaces are made and always removed, the hosts talk over
 torch.distributed, the inter-node link is shaped while intra-node traffic is not, and
 training runs across two namespaced hosts.
 
-Every run is a real `largebatch cluster run` subprocess (root, iproute2, real
+Every run is a real `largebatch emulate hosts` subprocess (root, iproute2, real
 namespaces, real torchrun agents). The tests skip only when this machine cannot
 create network namespaces.
 """
@@ -48,7 +48,7 @@ needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f"cluster tests nee
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "largebatch", "cluster", "run", *args]
+    return [sys.executable, "-m", "largebatch", "emulate", "hosts", *args]
 
 
 def _run(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -70,7 +70,7 @@ def _results(stdout: str) -> list[dict]:
     return [json.loads(m.group(1)) for m in re.finditer(r"^\[node \d+\] RESULT (.*)$", stdout, re.M)]
 
 
-# A worker program, run on every rank through `cluster run --exec`.
+# A worker program, run on every rank through `emulate hosts --exec`.
 CHECK = textwrap.dedent("""
     import json, os, socket, sys, time
     import torch, torch.distributed as dist
@@ -131,7 +131,7 @@ def check_script(tmp_path: Path) -> Path:
     (["--bogus", "--", "bench"], "unrecognized"),
 ])
 def test_bad_arguments_are_user_errors(args: list[str], words: str) -> None:
-    from largebatch.commands.cluster import parse_args
+    from largebatch.commands.emulate_hosts import parse_args
 
     with pytest.raises(UserError, match=re.escape(words)):
         parse_args(args)
@@ -178,7 +178,7 @@ def test_signal_tears_down_namespaces_and_agents(signum: int) -> None:
             if m:
                 run_id = m.group(2)
                 break
-        assert run_id, "cluster run ended before it reported its hosts"
+        assert run_id, "emulate hosts ended before it reported its hosts"
         assert len(_namespaces_of(run_id)) == 3  # switch + 2 hosts
         time.sleep(2)  # let the agents start their workers
         pids = subprocess.run(["ip", "netns", "pids", f"lbc-{run_id}-n0"], capture_output=True, text=True).stdout.split()
@@ -258,7 +258,7 @@ def test_two_training_steps_across_two_hosts(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_a_user_error_on_the_hosts_exits_2_without_a_traceback() -> None:
     """The workers on both hosts reject the config: each node's agent (largebatch.launch) exits 2, and so
-    does `cluster run`, with the workers' sentence and no ChildFailedError traceback."""
+    does `emulate hosts`, with the workers' sentence and no ChildFailedError traceback."""
     proc = subprocess.run(_cli("--nodes", "2", "--", "train", "--set", "optim.lr=-1", "--quiet"),
                           capture_output=True, text=True, cwd=REPO, timeout=170)
     out = proc.stdout + proc.stderr
@@ -283,7 +283,7 @@ def test_the_other_nodes_end_in_one_line_when_node_0_and_its_store_are_gone(tmp_
     """torch's agent ends without waiting for the others when its workers fail, and node 0's agent hosts
     the rendezvous store: node 1's agent meets the closed store at its next check. With --keep-going
     nothing stops node 1 first, so this is the case every time (without it, only when node 1's check
-    comes before `cluster run` stops it: the flake of the test above). Node 1 ends early, in one line, with
+    comes before `emulate hosts` stops it: the flake of the test above). Node 1 ends early, in one line, with
     its worker stopped; no Python traceback, no C++ stack frames."""
     script = tmp_path / "node0_fails.py"
     script.write_text(NODE0_FAILS)
@@ -301,15 +301,15 @@ def test_the_other_nodes_end_in_one_line_when_node_0_and_its_store_are_gone(tmp_
 
 
 def _agent(code: int, after_s: float) -> subprocess.Popen:
-    """A stand-in agent process (its own process group, as `cluster run` starts them): exits `code` after `after_s`."""
+    """A stand-in agent process (its own process group, as `emulate hosts` starts them): exits `code` after `after_s`."""
     return subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({after_s}); sys.exit({code})"],
                             start_new_session=True)
 
 
 def test_a_node_that_lost_the_store_first_does_not_hide_node_0s_code(capfd: pytest.CaptureFixture[str]) -> None:
-    """Node 1's agent exits EXIT_STORE_LOST while node 0's process still tears down: `cluster run` reports
+    """Node 1's agent exits EXIT_STORE_LOST while node 0's process still tears down: `emulate hosts` reports
     node 0's own code, which says why, not node 1's consequence (the race that made the test above flaky)."""
-    from largebatch.commands.cluster import wait_for_agents
+    from largebatch.commands.emulate_hosts import wait_for_agents
     from largebatch.launch import EXIT_STORE_LOST
 
     for keep_going in (False, True):
@@ -321,7 +321,7 @@ def test_a_node_that_lost_the_store_first_does_not_hide_node_0s_code(capfd: pyte
 def test_a_node_that_lost_the_store_while_node_0_runs_on_stops_the_run(capfd: pytest.CaptureFixture[str]) -> None:
     """The network to node 0 failed: node 0 does not end, so after the grace period the others are stopped and
     the code is EXIT_STORE_LOST."""
-    from largebatch.commands.cluster import wait_for_agents
+    from largebatch.commands.emulate_hosts import wait_for_agents
     from largebatch.launch import EXIT_STORE_LOST
 
     procs = [_agent(0, 120.0), _agent(EXIT_STORE_LOST, 0.0)]

@@ -177,7 +177,8 @@ def test_unreadable_recipes(main, tmp_path):
 def test_commands_and_groups(main):
     _expect(main("bench"), "'bench' needs a subcommand", "bench train")
     _expect(main("bench", "nope"), "'bench' needs a subcommand")
-    _expect(main("cluster"), "cluster run")
+    for old in (["cluster"], ["cluster", "run", "--nodes", "2", "--", "train"]):   # renamed: one sentence, the new name
+        _expect(main(*old), "'cluster run' is now 'largebatch emulate hosts' (emulate a cluster on this machine")
     _expect(main("frobnicate"), "unknown command")
 
 
@@ -203,7 +204,7 @@ def test_help_texts(capsys):
     block = capsys.readouterr().out.split("  --compression", 1)[1].split("\n  --")[0]
     assert len(block.split()) > 2, "--compression has no help text"
     with pytest.raises(SystemExit):
-        cli_mod.main(["cluster", "run", "--help"])
+        cli_mod.main(["emulate", "hosts", "--help"])
     assert "-- COMMAND" in capsys.readouterr().out.split("\n\n")[0]   # the usage shows the command after --
 
 
@@ -681,13 +682,13 @@ def test_bench_data_never_writes_into_an_existing_dataset(main, tmp_path):
     assert [p.name for p in (src / "train").iterdir()] == ["cat"]
 
 
-def test_cluster_run_checks_its_command_before_building_hosts(main):
+def test_emulate_hosts_checks_its_command_before_building_hosts(main):
     """An unknown largebatch command built the namespaced hosts and then failed on every node; a missing
     --exec program gave torchrun's traceback from every node."""
-    _expect(main("cluster", "run", "--nodes", "2", "--", "frobnicate"),
+    _expect(main("emulate", "hosts", "--nodes", "2", "--", "frobnicate"),
             "'frobnicate' after '--' is not a largebatch command", "--exec")
-    _expect(main("cluster", "run", "--", "bench", "nope"), "'bench nope'", "bench allreduce")
-    _expect(main("cluster", "run", "--exec", "--", "/nonexistent/prog"),
+    _expect(main("emulate", "hosts", "--", "bench", "nope"), "'bench nope'", "bench allreduce")
+    _expect(main("emulate", "hosts", "--exec", "--", "/nonexistent/prog"),
             "--exec program '/nonexistent/prog' is not an executable file or on PATH")
 
 

@@ -2,7 +2,7 @@
 
 1. Launch: not under torchrun, start ``--nproc`` local workers with
    ``torch.distributed.run`` (gloo on 127.0.0.1, or NCCL when CUDA is visible) running
-   this same command; under torchrun (e.g. inside ``largebatch cluster run``) use
+   this same command; under torchrun (e.g. inside ``largebatch emulate hosts``) use
    the existing world. One launch path, as everywhere in largebatch.
 2. For each size (``--sizes 4KB:64MB`` = powers of 4 from 4 KB to 64 MB, or a comma
    list) and each algorithm: a float32 tensor of that many bytes, ``--warmup``

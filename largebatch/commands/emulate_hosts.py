@@ -1,4 +1,4 @@
-"""`largebatch cluster run`: real separate hosts on one machine, made of Linux network namespaces.
+"""`largebatch emulate hosts`: real separate hosts on one machine, made of Linux network namespaces.
 
 Each node is its own network namespace with its own loopback and one Ethernet link
 (a veth pair) to a switch (a Linux bridge) that lives in a further namespace of its
@@ -71,7 +71,7 @@ STORE_LOST_GRACE_S = 30.0  # a node that lost node 0's store waits this long for
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What `cluster run` was asked for, validated."""
+    """What `emulate hosts` was asked for, validated."""
 
     nodes: int
     procs_per_node: int
@@ -110,18 +110,18 @@ class Cluster:
 
 
 def parse_args(argv: list[str]) -> ClusterSpec:
-    """Parse `cluster run` arguments; everything after `--` is the command."""
+    """Parse `emulate hosts` arguments; everything after `--` is the command."""
     if "--" in argv:
         cut = argv.index("--")
         own, command = argv[:cut], argv[cut + 1:]
     else:
         own, command = argv, []
     p = ArgumentParser(
-        prog="largebatch cluster run",
+        prog="largebatch emulate hosts",
         description="Run a command on N hosts made of network namespaces joined by a shaped switch.",
         epilog="Examples:\n"
-        "  largebatch cluster run --nodes 2 --procs-per-node 2 -- bench allreduce\n"
-        "  largebatch cluster run --nodes 2 --procs-per-node 1 --exec -- python my_check.py\n"
+        "  largebatch emulate hosts --nodes 2 --procs-per-node 2 -- bench allreduce\n"
+        "  largebatch emulate hosts --nodes 2 --procs-per-node 1 --exec -- python my_check.py\n"
         "Needs root and iproute2 (ip, tc).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -151,7 +151,7 @@ def parse_args(argv: list[str]) -> ClusterSpec:
         raise UserError(f"--port {a.port} must be in 1024..65535.")
     if not command:
         raise UserError("no command given; put it after '--', e.g. "
-                        "'largebatch cluster run --nodes 2 -- bench allreduce'.")
+                        "'largebatch emulate hosts --nodes 2 -- bench allreduce'.")
     _check_command(command, a.exec_mode)
     return ClusterSpec(a.nodes, a.procs_per_node, a.inter_node_gbit, a.inter_node_latency_ms,
                        a.port, a.keep_going, a.exec_mode, tuple(command))
@@ -180,12 +180,12 @@ def _check_command(command: list[str], exec_mode: bool) -> None:
 def check_system() -> None:
     """Root and iproute2 are needed to make namespaces; say so in one sentence otherwise."""
     if not sys.platform.startswith("linux"):
-        raise UserError("cluster run needs Linux network namespaces; run it on Linux.")
+        raise UserError("emulate hosts needs Linux network namespaces; run it on Linux.")
     if os.geteuid() != 0:
-        raise UserError("cluster run needs root to create network namespaces; run it as root (e.g. sudo).")
+        raise UserError("emulate hosts needs root to create network namespaces; run it as root (e.g. sudo).")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise UserError(f"cluster run needs '{tool}' from iproute2; install it with "
+            raise UserError(f"emulate hosts needs '{tool}' from iproute2; install it with "
                             "'apt-get install -y iproute2' (or 'make setup').")
 
 
@@ -303,7 +303,7 @@ def _stream(node: int, pipe, lock: threading.Lock) -> None:
             try:
                 sys.stdout.write(f"[node {node}] {text}\n")
                 sys.stdout.flush()
-            except (BrokenPipeError, ValueError):  # e.g. `cluster run ... | head`
+            except (BrokenPipeError, ValueError):  # e.g. `emulate hosts ... | head`
                 writable = False
     pipe.close()
 
@@ -451,5 +451,5 @@ def run_cluster(spec: ClusterSpec) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`largebatch cluster run [options] -- COMMAND ...`"""
+    """`largebatch emulate hosts [options] -- COMMAND ...`"""
     return run_cluster(parse_args(argv))
