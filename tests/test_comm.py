@@ -2,7 +2,8 @@
 
 Each world size (2, 3, 4, 6, 8) is spawned once; inside it every algorithm x
 compression x awkward length runs, plus explicit torus grids, hierarchical node
-sizes, integer and float64 tensors, and (at 2 and 3 ranks) the DDP hooks.
+sizes, integer and float64 tensors, and (at 2 and 3 ranks) the DDP hooks: one
+pytest case per algorithm and layout (`_groups`), so a failure names its case.
 
 Tolerances, with S = sum over ranks of |x_r| elementwise and u the unit roundoff:
 lossless float32 within p * 2^-23 * S of the exact float64 sum (summation order);
@@ -12,10 +13,18 @@ Integers and float64 sums must be exact / within 2^-50 S. All ranks must agree b
 """
 from __future__ import annotations
 
+import datetime
+import functools
+import itertools
+import json
 import os
 import pickle
 import re
 import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -203,82 +212,133 @@ def _check_errors(p: int, rank: int) -> None:
     assert torch.equal(x, torch.ones(10))
 
 
-def _worker(rank: int, p: int, port: int, local_world: int) -> None:
+def _groups(p: int, local_world: int) -> dict[str, Callable[[int], None]]:
+    """Every check of world size `p`, in the order the ranks run them, named by algorithm and layout: one pytest
+    case each (`test_allreduce`). A group is a function of the rank; the case numbers seed the inputs."""
+    groups: dict[str, Callable[[int], None]] = {}
+    counter = itertools.count(1)
+
+    def add(name: str, calls: list[tuple[int, tuple, dict]]) -> None:
+        groups[name] = lambda rank: [_check(p, rank, *args, **kwargs) for _, args, kwargs in calls] and None
+
+    lengths = sorted({1, max(1, p - 1), p + 1, 1009, 262147})    # 262147 floats ~ 1 MB, prime
+    for algorithm, impl in [(a, {}) for a in comm.ALGORITHMS] + [(a, {"impl": "p2p"}) for a in TWO_LEVEL]:
+        calls = []                                   # torus2d and hierarchical: the default (native), and p2p
+        for compression in COMPRESSIONS:
+            for n in lengths:
+                if compression != "none" and (n > 100_000 or (p >= 6 and n != 1009)):
+                    continue                            # runtime: lossy at 1 MB never, at p >= 6 on 1009 only
+                calls.append((0, (n, next(counter), algorithm, compression), impl))
+        add(f"{algorithm}{':' + impl['impl'] if impl else ''} lengths x compressions", calls)
+    for grid in GRIDS[p]:
+        calls = [(0, (n, next(counter), "torus2d"), {"grid": grid, "impl": "p2p"}) for n in (p + 1, 1009, 65537)]
+        case = calls[-1][1][1]
+        calls.append((0, (4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "p2p"}))
+        for pieces in (3, 7):                       # pipelined: pieces of 65537 elements, and more pieces than some chunks
+            case = next(counter)
+            calls.append((0, (65537 if pieces == 3 else p + 1, case, "torus2d"),
+                          {"grid": grid, "pipeline": pieces, "impl": "p2p"}))
+        calls.append((0, (4099, case, "torus2d", "bf16"), {"grid": grid, "pipeline": 3, "impl": "p2p"}))
+        add(f"torus2d:p2p grid {grid}", calls)
+    for k in LOCAL_SIZES[p]:
+        calls = []
+        for inter in ("halving_doubling", "ring", "native"):
+            calls.append((0, (1009, case := next(counter), "hierarchical"),
+                          {"local_size": k, "inter": inter, "impl": "p2p"}))
+        calls.append((0, (4099, case, "hierarchical", "bf16"), {"local_size": k, "impl": "p2p"}))
+        for inter in ("halving_doubling", "native"):
+            calls.append((0, (65537, case := next(counter), "hierarchical"),
+                          {"local_size": k, "inter": inter, "pipeline": 4, "impl": "p2p"}))
+        calls.append((0, (4099, case, "hierarchical", "fp16"), {"local_size": k, "pipeline": 3, "impl": "p2p"}))
+        add(f"hierarchical:p2p local_size {k}", calls)
+    # native-composed two-level forms (the backend's reduce-scatter / all-reduce / all-gather)
+    for grid in GRIDS[p]:
+        calls = []
+        for n, pieces in ((p + 1, 1), (65537, 1), (65537, 3), (p + 1, 7)):
+            calls.append((0, (n, case := next(counter), "torus2d"), {"grid": grid, "impl": "native", "pipeline": pieces}))
+        calls += [(0, (4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "native", "pipeline": 2}),
+                  (0, (4099, case, "torus2d", "bf16"), {"grid": grid, "impl": "native"}),
+                  (0, (1009, case, "torus2d"), {"grid": grid, "impl": "native", "dtype": torch.int64})]
+        add(f"torus2d:native grid {grid}", calls)
+    for k in LOCAL_SIZES[p]:
+        calls = []
+        for inter in ("native", "halving_doubling", "ring"):
+            for n, pieces in ((1009, 1), (65537, 3)):
+                calls.append((0, (n, case := next(counter), "hierarchical"),
+                              {"local_size": k, "inter": inter, "impl": "native", "pipeline": pieces}))
+        calls.append((0, (4099, case, "hierarchical", "fp16"), {"local_size": k, "impl": "native", "inter": "native"}))
+        add(f"hierarchical:native local_size {k}", calls)
+    for algorithm in comm.ALGORITHMS:
+        add(f"{algorithm} int32 int64 float64", [(0, (1009, next(counter), algorithm), {"dtype": dtype})
+                                                 for dtype in (torch.int32, torch.int64, torch.float64)])
+    groups["small-message fast path and a non-contiguous tensor"] = lambda rank: _check_fast_path(p, rank)
+    if local_world < p:
+        groups[f"DeviceMesh {p // local_world}x{local_world}"] = lambda rank: _check_mesh(p, rank, local_world)
+    if p == 4:
+        groups["option errors"] = lambda rank: _check_errors(p, rank)
+    if p in (2, 3):
+        groups["DDP hooks"] = lambda rank: _check_ddp(p, rank)
+    if p == 4:
+        groups["DDP hooks on two levels 2x2"] = lambda rank: _check_ddp(p, rank, two_levels=True)
+    return groups
+
+
+def _check_fast_path(p: int, rank: int) -> None:
+    """The small-message fast path hands small tensors to native: bit-identical to it; a non-contiguous tensor is
+    reduced in place too."""
+    x = _inputs(p, 1009, 7, torch.float32)[rank]
+    ref = comm.allreduce(x.clone(), "native")
+    for algorithm in [a for a in comm.ALGORITHMS if a != "native"]:
+        assert torch.equal(comm.allreduce(x.clone(), algorithm, small_bytes=4036 + 1), ref), algorithm
+    m = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
+    comm.allreduce(m, "ring")
+    assert torch.equal(m, torch.arange(12.0).reshape(3, 4).t() * sum(range(1, p + 1)))
+
+
+def _worker(rank: int, p: int, port: int, local_world: int, out: str) -> None:
+    """Run every group in order and write {group: "ok" or the failure} to OUT/RANK.json. The first failure ends
+    the run (the ranks would no longer meet in the same collectives): the later groups are "not run"."""
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
-    try:
-        lengths = sorted({1, max(1, p - 1), p + 1, 1009, 262147})    # 262147 floats ~ 1 MB, prime
-        case = 0
-        for algorithm, impl in [(a, {}) for a in comm.ALGORITHMS] + [(a, {"impl": "p2p"}) for a in TWO_LEVEL]:
-            for compression in COMPRESSIONS:                # torus2d and hierarchical: the default (native), and p2p
-                for n in lengths:
-                    if compression != "none" and (n > 100_000 or (p >= 6 and n != 1009)):
-                        continue                            # runtime: lossy at 1 MB never, at p >= 6 on 1009 only
-                    case += 1
-                    _check(p, rank, n, case, algorithm, compression, **impl)
-        for grid in GRIDS[p]:
-            for n in (p + 1, 1009, 65537):
-                case += 1
-                _check(p, rank, n, case, "torus2d", grid=grid, impl="p2p")
-            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid, impl="p2p")
-            for pieces in (3, 7):                       # pipelined: pieces of 65537 elements, and more pieces than some chunks
-                case += 1
-                _check(p, rank, 65537 if pieces == 3 else p + 1, case, "torus2d", grid=grid, pipeline=pieces,
-                       impl="p2p")
-            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, pipeline=3, impl="p2p")
-        for k in LOCAL_SIZES[p]:
-            for inter in ("halving_doubling", "ring", "native"):
-                case += 1
-                _check(p, rank, 1009, case, "hierarchical", local_size=k, inter=inter, impl="p2p")
-            _check(p, rank, 4099, case, "hierarchical", "bf16", local_size=k, impl="p2p")
-            for inter in ("halving_doubling", "native"):
-                case += 1
-                _check(p, rank, 65537, case, "hierarchical", local_size=k, inter=inter, pipeline=4, impl="p2p")
-            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, pipeline=3, impl="p2p")
-        # native-composed two-level forms (the backend's reduce-scatter / all-reduce / all-gather)
-        for grid in GRIDS[p]:
-            for n, pieces in ((p + 1, 1), (65537, 1), (65537, 3), (p + 1, 7)):
-                case += 1
-                _check(p, rank, n, case, "torus2d", grid=grid, impl="native", pipeline=pieces)
-            _check(p, rank, 4099, case, "torus2d", "fp16", grid=grid, impl="native", pipeline=2)
-            _check(p, rank, 4099, case, "torus2d", "bf16", grid=grid, impl="native")
-            _check(p, rank, 1009, case, "torus2d", grid=grid, impl="native", dtype=torch.int64)
-        for k in LOCAL_SIZES[p]:
-            for inter in ("native", "halving_doubling", "ring"):
-                for n, pieces in ((1009, 1), (65537, 3)):
-                    case += 1
-                    _check(p, rank, n, case, "hierarchical", local_size=k, inter=inter, impl="native", pipeline=pieces)
-            _check(p, rank, 4099, case, "hierarchical", "fp16", local_size=k, impl="native", inter="native")
-        for algorithm in comm.ALGORITHMS:
-            for dtype in (torch.int32, torch.int64, torch.float64):
-                case += 1
-                _check(p, rank, 1009, case, algorithm, dtype=dtype)
-        # the small-message fast path hands small tensors to native: bit-identical to it
-        x = _inputs(p, 1009, 7, torch.float32)[rank]
-        ref = comm.allreduce(x.clone(), "native")
-        for algorithm in [a for a in comm.ALGORITHMS if a != "native"]:
-            assert torch.equal(comm.allreduce(x.clone(), algorithm, small_bytes=4036 + 1), ref), algorithm
-        # a non-contiguous tensor is reduced in place too
-        m = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
-        comm.allreduce(m, "ring")
-        assert torch.equal(m, torch.arange(12.0).reshape(3, 4).t() * sum(range(1, p + 1)))
-        if local_world < p:
-            _check_mesh(p, rank, local_world)
-        if p == 4:
-            _check_errors(p, rank)
-        if p in (2, 3):
-            _check_ddp(p, rank)
-        if p == 4:
-            _check_ddp(p, rank, two_levels=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
+                            timeout=datetime.timedelta(seconds=120))
+    results: dict[str, str] = {}
+    failed = None
+    for name, group in _groups(p, local_world).items():
+        if failed is not None:
+            results[name] = f"not run: group {failed!r} failed before it"
+            continue
+        try:
+            group(rank)
+            results[name] = "ok"
+        except Exception:   # noqa: BLE001 - the failure is this case's report
+            results[name], failed = traceback.format_exc(limit=4), name
+    if failed is None:
         dist.barrier()
-    finally:
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+    if failed is None:
         dist.destroy_process_group()
     end_process(0, ran_group=True)   # exit without interpreter finalization while gloo threads live (largebatch.dist)
 
 
+LAYOUTS = [(2, 2), (3, 3), (4, 2), (6, 3), (8, 4)]   # world, processes per node (LOCAL_WORLD_SIZE)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_world(world: int, local_world: int) -> dict[str, list[str]]:
+    """Each world size spawned once (the first of its cases runs it): every group's outcome on every rank."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(world, _free_port(), local_world, out), nprocs=world, join=True)
+        per_rank = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+    return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, local_world", [(2, 2), (3, 3), (4, 2), (6, 3), (8, 4)])
-def test_algorithms_match_exact_sum(world: int, local_world: int) -> None:
-    """Default torus grid / node size come from LOCAL_WORLD_SIZE (2x2, 3x2, 4x2 here)."""
-    mp.spawn(_worker, args=(world, _free_port(), local_world), nprocs=world, join=True)
+@pytest.mark.parametrize("world, local_world, group", [(w, k, g) for w, k in LAYOUTS for g in _groups(w, k)],
+                         ids=[f"p{w}-{g.replace(' ', '_')}" for w, k in LAYOUTS for g in _groups(w, k)])
+def test_allreduce(world: int, local_world: int, group: str) -> None:
+    """One algorithm and layout at one world size, on every rank: exact sums within the module's tolerances, equal
+    to native, the same on all ranks. Default torus grid / node size come from LOCAL_WORLD_SIZE (2x2, 3x2, 4x2)."""
+    outcome = _run_world(world, local_world)[group]
+    bad = [(rank, text) for rank, text in enumerate(outcome) if text != "ok"]
+    assert not bad, "\n".join(f"rank {rank}: {text}" for rank, text in bad)   # each rank's own failure
