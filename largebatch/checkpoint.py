@@ -261,7 +261,7 @@ class RunState:
         """The newest intact checkpoint (or `found`, the caller's `latest()`) loaded into every part; its step, or
         None when there is none yet (said by the main process). A checkpoint that does not fit is one UserError
         naming the fix. Which settings may differ from the checkpoint's is the caller's to judge
-        (`config.check_resume`: the trainer does it before building the model)."""
+        (`resume.check_resume`: the trainer does it before building the model)."""
         from largebatch.errors import UserError
 
         if isinstance(found, str):

@@ -27,7 +27,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from largebatch.errors import UserError
 
@@ -119,12 +119,38 @@ class _OnePhase(NamedTuple):
     lr: Optional[float]
 
 
+def in_start_order(phases: list, where: str) -> list:
+    """Phases (batch.phases, data.resolution_phases: anything with a start_epoch) in the order they take effect,
+    by start_epoch, listed in any order; two with one start_epoch are ambiguous: one sentence naming both."""
+    seen: dict[Any, int] = {}
+    for i, phase in enumerate(phases):
+        start = phase.start_epoch
+        if start in seen:
+            raise UserError(f"{where}[{i}].start_epoch is {start:g}, the same as {where}[{seen[start]}]'s; "
+                            "phases need strictly increasing start epochs, so give each phase its own.")
+        seen[start] = i
+    return sorted(phases, key=lambda p: p.start_epoch)
+
+
+def batch_phases(batch_cfg) -> list:
+    """The batch phases of a run in start order (config.BatchPhase); without batch.phases one, batch.global_batch
+    from epoch 0 at the scaled lr."""
+    return in_start_order(batch_cfg.phases, "batch.phases") or [_OnePhase(0, batch_cfg.global_batch, None)]
+
+
+def peak_lr(phase, optim_cfg) -> float:
+    """Step 1: the peak lr of a batch phase, its own lr or optim.lr scaled to its global batch."""
+    if phase.lr is not None:
+        return phase.lr
+    return scaled_lr(optim_cfg.lr, phase.global_batch, optim_cfg.reference_batch, optim_cfg.scaling_rule)
+
+
 def resolution_at(phases: list, epoch: float) -> int | None:
     """Training image size at (fractional) `epoch` under progressive resizing, or None for the data's
     own size: the image_size of the last phase whose start_epoch is <= epoch (fast.ai's DAWNBench
     ImageNet runs trained at 128, then 224, then 288 px; FFCV ramps the same way)."""
     size = None
-    for p in sorted(phases, key=lambda p: p.start_epoch):   # config.ResolutionPhase
+    for p in in_start_order(phases, "data.resolution_phases"):   # config.ResolutionPhase
         if p.start_epoch <= epoch:
             size = p.image_size
     return size
@@ -175,8 +201,7 @@ class Plan:
                                                                       ensemble_cfg.segments) else None
         self.epochs = self.base_epochs + (ensemble_epochs(self.ensemble) if self.ensemble else 0)
         self.start_lr = optim_cfg.lr if schedule_cfg.warmup_start_lr is None else schedule_cfg.warmup_start_lr
-        one = [_OnePhase(0, batch_cfg.global_batch, None)]   # no phases: one global batch throughout
-        raw = sorted(batch_cfg.phases or one, key=lambda p: p.start_epoch)   # config.BatchPhase
+        raw = batch_phases(batch_cfg)
         if raw[0].start_epoch != 0:
             raise UserError(f"batch.phases must start at epoch 0 (the first starts at {raw[0].start_epoch}); "
                             "add a phase with start_epoch: 0.")
@@ -185,7 +210,7 @@ class Plan:
         for i, p in enumerate(raw):
             start, gb = p.start_epoch, p.global_batch
             end = raw[i + 1].start_epoch if i + 1 < len(raw) else self.epochs
-            if end <= start or start >= self.epochs:
+            if start >= self.epochs:   # after one another (in_start_order); the last ends at the run's end
                 raise UserError(f"batch.phases[{i}] starts at epoch {start}, at or after where it ends ({end}); "
                                 f"phases need increasing start epochs below schedule.epochs = {self.epochs}.")
             if gb > train_size:
@@ -196,10 +221,8 @@ class Plan:
             if cap == "auto":
                 cap = micro_cap if batch_cfg.accumulation is None else None
             micro, accum = split_batch(gb, world_size, cap, batch_cfg.accumulation, where)
-            peak = p.lr if p.lr is not None else scaled_lr(optim_cfg.lr, gb, optim_cfg.reference_batch,
-                                                           optim_cfg.scaling_rule)
             spe = train_size // gb
-            phase = Phase(start, end, gb, float(peak), micro, accum, spe, step)
+            phase = Phase(start, end, gb, float(peak_lr(p, optim_cfg)), micro, accum, spe, step)
             phases.append(phase)
             step += phase.steps
         self.phases = phases

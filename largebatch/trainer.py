@@ -196,19 +196,19 @@ class Trainer:
         """The settings (and the world size) that differ from those the newest checkpoint was written with (its
         metadata's config; config.yaml for a checkpoint of an older version; config.yaml when there is no
         checkpoint, and then nothing was trained with them and every change is accepted). Refused in one
-        sentence (`config.check_resume`): a change of what the run is that `allow_change` does not name, and any
+        sentence (`resume.check_resume`): a change of what the run is that `allow_change` does not name, and any
         change that would make the epoch count jump (the checkpoint's epoch against this plan's at its step)."""
-        from largebatch import config as config_mod
+        from largebatch import config as config_mod, resume
 
         meta = found[1] if found is not None else {}
         old = meta.get("config")
         if not isinstance(old, dict):
             path = self.run_dir / "config.yaml"
             old = config_mod.load_yaml(path, what="run config") if path.is_file() else {}
-        changes = config_mod.resume_changes(old, cfg)
+        changes = resume.resume_changes(old, cfg)
         if found is None:
             return changes
-        config_mod.check_resume(changes, list(allow_change), self.run_dir)
+        resume.check_resume(changes, list(allow_change), self.run_dir)
         step, epoch = meta.get("step"), meta.get("epoch")
         if isinstance(step, int) and isinstance(epoch, (int, float)) and abs(self.plan.epoch_float(step) - epoch) > 1e-6:
             phase = self.plan.phase_at(step)

@@ -3,8 +3,9 @@
 Layers, lowest first; a module may import its own layer and the layers below, never above:
   0 base          errors, algorithms (the one list of names), cli (the dispatch table and shared argument helpers),
                   safeyaml (bounded YAML loading)
-  1 runtime       config, dist, launch, rundir, checkpoint, schedule, layout, metrics, models, data, optim,
-                  step, batches, progress, comm, perf (the model), noise_scale, scoring, ensemble, reliability
+  1 runtime       config (a package: fields, schema, checks, loading, reference), dist, launch, rundir, checkpoint,
+                  resume, schedule, layout, metrics, models, data, optim, step, batches, progress, comm,
+                  perf (the model), noise_scale, scoring, ensemble, reliability
   2 trainer       trainer
   3 commands      largebatch/commands/ (train, evaluate, plan, study, chaos, cluster, bench/...), perf.calibrate,
                   __main__

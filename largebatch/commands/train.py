@@ -20,6 +20,7 @@ from pathlib import Path
 from largebatch import config as config_mod
 from largebatch.cli import ArgumentParser
 from largebatch.errors import UserError, env_int
+from largebatch.resume import check_allow_change
 
 
 def parser() -> ArgumentParser:
@@ -244,7 +245,7 @@ def main(argv: list[str]) -> int:
         watch_parent(int(study))
     args = parser().parse_args(argv)
     cfg = config_mod.load(args.recipe, args.overrides)
-    allow_change = tuple(config_mod.check_allow_change(args.allow_change))
+    allow_change = tuple(check_allow_change(args.allow_change))
     under_torchrun = "LOCAL_RANK" in os.environ
     if under_torchrun and args.nproc_per_node is not None and not args.dry_run:
         _check_launch(args.nproc_per_node)
