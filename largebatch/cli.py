@@ -36,8 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                             "batch-size control against a fixed large batch at equal epochs"),
     "study ensemble": ("largebatch.commands.study_variants:main_ensemble",
                        "the Collapsed Ensemble against one model at equal epochs"),
-    "data pack": ("largebatch.data.shards", "pack an ImageFolder into sequential tar shards"),
-    "data index": ("largebatch.data.wds", "count the samples of WebDataset shards into an index.json beside them"),
+    "data pack": ("largebatch.commands.data.pack", "pack an ImageFolder into sequential tar shards"),
+    "data index": ("largebatch.commands.data.index",
+                   "count the samples of WebDataset shards into an index.json beside them"),
     "chaos": ("largebatch.commands.chaos", "kill workers at random during a run and check it survives"),
 }
 

@@ -91,13 +91,13 @@ def test_pack_and_read_exactly_once_two_ranks_two_workers(tmp_path, cli):
 
 
 def test_shards_build_data_errors(tmp_path):
-    from largebatch.data import shards
+    from largebatch.commands.data.pack import main as data_pack
 
     with pytest.raises(UserError, match="largebatch data pack"):
         build_data(DataConfig(dataset="shards", root=str(tmp_path)), seed=0)
     # In-process (the CLI turns UserError into exit 2; the pack test above runs the real CLI).
     with pytest.raises(UserError):
-        shards.main([str(tmp_path / "missing"), str(tmp_path / "out")])
+        data_pack([str(tmp_path / "missing"), str(tmp_path / "out")])
 
 
 # ---- damaged shards: exactly once, or one sentence naming the shard -------------------------------------------

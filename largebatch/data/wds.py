@@ -44,11 +44,12 @@ one sentence, exit 2 (`shards.py` step 7). An image that does not decode follows
 `<shard>/<member>`. Why this and not a cache of walks keyed by size and mtime: no cache directory to own, no
 mtime that a copy changes, and the same check for both shard layouts.
 
-`largebatch data index ROOT` (a directory or pattern; a directory's `train/` and `val/` folders too) walks the
-shards the same way and writes `index.json` in each shard directory: a `wids` shard list of the shards' file
-names and counts, each with its fingerprint (entries for other shards of an index of this kind are kept;
-the fingerprint fields are extra keys beside `url` and `nsamples`, not checked against the `wids` reader itself). It is written to a temporary file and renamed into place; the
-shards are only read. An `index.json` of `data pack`, or a file that is no shard list, is never overwritten.
+`largebatch data index ROOT` (its command line: largebatch/commands/data/index.py; ROOT a directory or pattern; a
+directory's `train/` and `val/` folders too) walks the shards the same way and writes `index.json` in each shard
+directory: a `wids` shard list of the shards' file names and counts, each with its fingerprint (entries for other
+shards of an index of this kind are kept; the fingerprint fields are extra keys beside `url` and `nsamples`, not
+checked against the `wids` reader itself). It is written to a temporary file and renamed into place; the shards are
+only read. An `index.json` of `data pack`, or a file that is no shard list, is never overwritten.
 """
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from largebatch.cli import ArgumentParser
 from largebatch.data.shards import (INDEX, PlainMember, PlainReader, ShardSource, Unusual, _members, _open_shard,
                                     _ShardStream, fingerprint, plain_members, read_ends, read_member, unchanged)
 from largebatch.errors import UserError, os_error_fix, shown
@@ -482,16 +482,3 @@ def index(root: str, say=print) -> dict[Path, dict]:
     if top >= 0:
         say(f"labels seen: 0..{top} at most; set data.num_classes to the number of classes (e.g. {top + 1})")
     return out
-
-
-def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="largebatch data index",
-                       description="count the samples of WebDataset shards into an index.json beside them")
-    p.add_argument("root", help="the shards' directory (with its train/ and val/ folders) or a brace pattern")
-    args = p.parse_args(argv)
-    try:
-        index(args.root)
-    except OSError as err:
-        raise UserError(f"data index could not write beside the shards of {args.root}: {err.strerror or err}; "
-                        "give a writable directory (the shards were not touched).") from None
-    return 0
