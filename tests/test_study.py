@@ -477,3 +477,32 @@ def test_every_committed_cells_recorded_command_resolves_to_the_config_it_ran_wi
             assert {**now, "recipe": None} == {**then, "recipe": None}, run_dir
             checked += 1
     assert checked == 160
+
+
+def _committed_studies() -> list[Path]:
+    return sorted((Path(__file__).resolve().parent.parent / "results").rglob("study.json"))
+
+
+@pytest.mark.parametrize("path", _committed_studies(), ids=lambda p: str(p.parent.relative_to(p.parents[2])))
+def test_every_committed_study_is_re_summarised_from_its_cells_byte_for_byte(path):
+    """The summariser, the chosen lrs and the verdict rules against every committed study: its study.json written
+    again from its own head and cells is the committed file byte for byte (table, chosen lrs, claims and verdicts),
+    and so is its study.md from the table on (the line above it names the machines, which cells finished before
+    summary.json named its machine do not record)."""
+    from largebatch.commands import study_variants as sv
+
+    data = json.loads(path.read_text())
+    meta = {k: v for k, v in data.items() if k not in ("cells", "table", "claims")}
+    cells, kind = data["cells"], data.get("kind", "batch-scaling")
+    split = "validation" if meta.get("val_split") else "test"
+    if kind == "batch-scaling":
+        table = study.summarise(cells)
+        verdicts = study.claims(table)
+        again = {**meta, "cells": cells, "table": table, "claims": verdicts}
+        body = (study.markdown(table, sorted(meta["batches"]), meta["optimizers"], split)
+                + study.claims_markdown(verdicts, split))
+    else:
+        again = {**meta, "cells": cells, "table": sv.summarise(kind, cells)}
+        body = sv.markdown(kind, again["table"], split)
+    assert json.dumps(again, indent=2) == path.read_text()
+    assert (path.parent / "study.md").read_text().split("\n\n", 2)[2] == body
