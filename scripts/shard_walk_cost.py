@@ -1,11 +1,12 @@
-"""The cost of the shards' start-up check (docs/reliability.md, "Damaged data"): before build 5 `shards.check_split`
-walked every shard's tar headers and read each label before the first step, on every rank; since, it checks
-each shard's fingerprint (size, first 4 KiB, last 16 KiB: O(shards)) and walks only a shard that fails it.
+"""The cost of the shards' start-up check (docs/reliability.md, "Damaged data"): before build 5
+`shard_check.check_split` (then in shards.py) walked every shard's tar headers and read each label before the first
+step, on every rank; since, it checks each shard's fingerprint (size, first 4 KiB, last 16 KiB: O(shards)) and
+walks only a shard that fails it.
 
     python scripts/shard_walk_cost.py [--samples 50000] [--shards 10] [--image-kb 8] [--repeats 3]
                                       [--scale-shards 1024] [--scale-samples 1281167] [--scale-image-bytes 400]
 
-1. A shard set written by `data pack`'s own writer (`shards._write_shards`) into a scratch directory: one
+1. A shard set written by `data pack`'s own writer (`pack._write_shards`) into a scratch directory: one
    generated JPEG of about --image-kb KB stored under every key (the walk reads headers, not images, so with the
    page cache warm the image size moves the cost little), labels spread over 1,000 classes.
 2. The walk of the train split, --repeats times with the page cache warm: seconds, samples/s, and what that
@@ -62,7 +63,7 @@ def main() -> int:
 
     import torch
 
-    from largebatch.data import shards
+    from largebatch.data import pack, shard_check
     from largebatch.metrics import machine
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -76,8 +77,8 @@ def main() -> int:
         per_shard = image.stat().st_size + 1536
         out = root / "shards"
         out.mkdir()
-        index = shards._write_shards(out, [f"c{i}" for i in range(1000)], [("train", paths, labels), ("val", [], [])],
-                                     per_shard * -(-args.samples // args.shards), seed=0)
+        index = pack._write_shards(out, [f"c{i}" for i in range(1000)], [("train", paths, labels), ("val", [], [])],
+                                   per_shard * -(-args.samples // args.shards), seed=0)
         entry = index["splits"]["train"]
         mb = sum((out / s["name"]).stat().st_size for s in entry["shards"]) / 2**20
         print(f"shards: {entry['total']} samples in {len(entry['shards'])} shards, {mb:.0f} MB, "
@@ -85,10 +86,11 @@ def main() -> int:
         def tarfile_walk() -> None:   # the walk of a shard in any other layout (pax, GNU extensions)
             owner = np.full(entry["total"], -1, dtype=np.int32)
             for i, shard in enumerate(entry["shards"]):
-                shards._tar_walk(owner, i, out, "train", entry, out / shard["name"], 1000)
+                shard_check._tar_walk(owner, i, out, "train", entry, out / shard["name"], 1000)
 
         unmarked = {**entry, "shards": [{"name": s["name"], "count": s["count"]} for s in entry["shards"]]}
-        walks = [("header walk (check_split before build 5)", lambda: shards.check_split(out, "train", unmarked, 1000)),
+        walks = [("header walk (check_split before build 5)",
+                  lambda: shard_check.check_split(out, "train", unmarked, 1000)),
                  ("tarfile walk", tarfile_walk)]
         try:
             import webdataset
@@ -125,35 +127,37 @@ def main() -> int:
                 print(f"webdataset fingerprint check {r + 1}: {dt * 1e3:.1f} ms for {len(paths)} shards (index read "
                       f"included), {dt / len(paths) * 1e3:.2f} ms per shard; {args.scale_shards:,} shards at this rate: "
                       f"{dt / len(paths) * args.scale_shards:.2f} s per rank")
-        scale(root, args, shards)
+        scale(root, args)
     return 0
 
 
-def scale(root: Path, args: argparse.Namespace, shards) -> None:
+def scale(root: Path, args: argparse.Namespace) -> None:
     """Step 3: the start-up check of --scale-samples samples in --scale-shards shards, and the walk it replaces."""
+    from largebatch.data import pack, shard_check
+
     payload = root / "payload.jpg"
     payload.write_bytes(jpeg(1)[:args.scale_image_bytes])   # never decoded: the check reads no image
     out = root / "scale"
     out.mkdir()
     n, per = args.scale_samples, -(-args.scale_samples // args.scale_shards)
     t0 = time.perf_counter()
-    index = shards._write_shards(out, [f"c{i}" for i in range(1000)],
-                                 [("train", [payload] * n, [i % 1000 for i in range(n)]), ("val", [], [])],
-                                 (args.scale_image_bytes + 1536) * per, seed=0)
+    index = pack._write_shards(out, [f"c{i}" for i in range(1000)],
+                               [("train", [payload] * n, [i % 1000 for i in range(n)]), ("val", [], [])],
+                               (args.scale_image_bytes + 1536) * per, seed=0)
     entry = index["splits"]["train"]
     gb = sum((out / s["name"]).stat().st_size for s in entry["shards"]) / 2**30
     print(f"scale: {entry['total']:,} samples in {len(entry['shards']):,} shards, {gb:.1f} GiB, written in "
           f"{time.perf_counter() - t0:.0f} s (page cache warm)")
     for r in range(args.repeats):
         t0 = time.perf_counter()
-        walked = shards.check_split(out, "train", entry, 1000)
+        walked = shard_check.check_split(out, "train", entry, 1000)
         dt = time.perf_counter() - t0
         assert not walked, walked
         print(f"start-up check (fingerprints) {r + 1}: {dt:.2f} s per rank for {len(entry['shards']):,} shards, "
               f"{entry['total']:,} samples ({dt / len(entry['shards']) * 1e3:.2f} ms per shard)")
     unmarked = {**entry, "shards": [{"name": s["name"], "count": s["count"]} for s in entry["shards"]]}
     t0 = time.perf_counter()
-    walked = shards.check_split(out, "train", unmarked, 1000)
+    walked = shard_check.check_split(out, "train", unmarked, 1000)
     dt = time.perf_counter() - t0
     assert len(walked) == len(entry["shards"])
     print(f"header walk of the same shards (before build 5): {dt:.2f} s per rank")

@@ -75,10 +75,10 @@ def test_a_killed_pack_is_cleaned_up_by_the_next_pack_and_a_live_one_is_not(cli,
     signal, landing where the rename would come) left `.sh.packing-PID` behind for good."""
     _tree(tmp_path / "if")
     kill_after_writing = (
-        "import os, signal, sys; from pathlib import Path; from largebatch.data import shards; "
-        "write = shards._write_shards\n"
+        "import os, signal, sys; from pathlib import Path; from largebatch.data import pack as writer; "
+        "write = writer._write_shards\n"
         "def killed(*a):\n    write(*a); os.kill(os.getpid(), signal.SIGKILL)\n"
-        "shards._write_shards = killed; shards.pack(Path(sys.argv[1]), Path(sys.argv[2]), 1 << 20)")
+        "writer._write_shards = killed; writer.pack(Path(sys.argv[1]), Path(sys.argv[2]), 1 << 20)")
     proc = subprocess.run([sys.executable, "-c", kill_after_writing, tmp_path / "if", tmp_path / "sh"], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr

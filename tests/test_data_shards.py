@@ -105,11 +105,11 @@ def test_shards_build_data_errors(tmp_path):
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     """An intact shard set (37 train, 11 val samples, 3 classes, several shards per split)."""
-    from largebatch.data import shards
+    from largebatch.data.pack import pack
 
     root = tmp_path_factory.mktemp("packed")
     _tree(root / "if")
-    shards.pack(root / "if", root / "sh", shard_bytes=4096)
+    pack(root / "if", root / "sh", shard_bytes=4096)
     return root / "sh"
 
 
@@ -248,13 +248,14 @@ def test_an_intact_shard_set_passes_the_start_up_check(packed, tmp_path):
 
 def _tar_keys(path: Path, num_classes: int) -> list[int]:
     """check_split's tarfile walk of one shard: its keys in order, or the UserError it raises."""
-    from largebatch.data import shards
+    from largebatch.data.shard_check import read_label, samples_in
+    from largebatch.data.tar import open_shard
 
-    tar, size = shards._open_shard(path)
+    tar, size = open_shard(path)
     with tar:
         keys = []
-        for key, group in shards._samples_in(tar, str(path), size):
-            shards._label(tar, str(path), group["cls"], num_classes)
+        for key, group in samples_in(tar, str(path), size):
+            read_label(tar, str(path), group["cls"], num_classes)
             keys.append(key)
     return keys
 
@@ -350,26 +351,26 @@ def test_the_direct_header_walk_reads_what_tarfile_reads_or_steps_aside(packed, 
     the shards `data pack` and webdataset's writer write; on 800 random changes to each shard's bytes it either
     steps aside (Unusual: tarfile walks that shard) or reads exactly the members tarfile reads: the same names,
     offsets, sizes and bytes, every one a file. So it never accepts what tarfile refuses or reads otherwise."""
-    from largebatch.data import shards
+    from largebatch.data.tar import PlainReader, Unusual, plain_members
 
     index = json.loads((packed / "index.json").read_text())
     _webdataset_shard(tmp_path / "wds.tar")
     for original in (packed / index["splits"]["train"]["shards"][0]["name"], tmp_path / "wds.tar"):
-        with shards.PlainReader(original, "") as read:
+        with PlainReader(original, "") as read:
             assert [(m.name, m.offset_data, m.size, True, read(m))
-                    for m in shards.plain_members(original)] == _tar_members(original)
+                    for m in plain_members(original)] == _tar_members(original)
         rng, victim, data = random.Random(0), tmp_path / "shard.tar", original.read_bytes()
         fast = stepped_aside = 0
         for _ in range(800):
             victim.write_bytes(_mutate(data, rng))
             slow = _tar_members(victim)
             try:
-                got = shards.plain_members(victim)
-            except shards.Unusual:
+                got = plain_members(victim)
+            except Unusual:
                 stepped_aside += 1
                 continue
             fast += 1
-            with shards.PlainReader(victim, "") as read:
+            with PlainReader(victim, "") as read:
                 assert [(m.name, m.offset_data, m.size, True, read(m)) for m in got] == slow
         # both outcomes are reached often: the fields it ignores (uname, mtime's digits, ...) stay on the fast path
         assert fast >= 100 and stepped_aside >= 150, (original.name, fast, stepped_aside)
@@ -377,13 +378,14 @@ def test_the_direct_header_walk_reads_what_tarfile_reads_or_steps_aside(packed, 
 
 def test_the_direct_walk_of_packed_shards_applies_the_tarfile_walks_rules(packed, tmp_path):
     """check_split's fast path (`_plain_keys`) on 800 random changes to a packed shard: it steps aside or gives
-    exactly the keys of the tarfile walk (`_samples_in` and `_label`), never keys where that walk refuses."""
-    from largebatch.data import shards
+    exactly the keys of the tarfile walk (`samples_in` and `read_label`), never keys where that walk refuses."""
+    from largebatch.data.shard_check import _plain_keys
+    from largebatch.data.tar import Unusual
 
     index = json.loads((packed / "index.json").read_text())
     for split in ("train", "val"):
         for shard in index["splits"][split]["shards"]:
-            assert shards._plain_keys(packed / shard["name"], 3) == _tar_keys(packed / shard["name"], 3)
+            assert _plain_keys(packed / shard["name"], 3) == _tar_keys(packed / shard["name"], 3)
     original = (packed / index["splits"]["train"]["shards"][0]["name"]).read_bytes()
     rng, victim = random.Random(1), tmp_path / "shard.tar"
     fast = 0
@@ -394,8 +396,8 @@ def test_the_direct_walk_of_packed_shards_applies_the_tarfile_walks_rules(packed
         except UserError as err:
             slow = str(err)
         try:
-            got = shards._plain_keys(victim, 3)
-        except shards.Unusual:
+            got = _plain_keys(victim, 3)
+        except Unusual:
             continue
         fast += 1
         assert got == slow, (victim.read_bytes(), got, slow)
@@ -413,9 +415,9 @@ def test_the_direct_header_walk_decodes_names_as_tarfile_does_under_any_filesyst
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    code = ("import sys, tarfile; from pathlib import Path; from largebatch.data import shards; "
+    code = ("import sys, tarfile; from pathlib import Path; from largebatch.data.tar import plain_members; "
             "p = Path(sys.argv[1]); t = tarfile.open(p, 'r:'); "
-            "print(sys.getfilesystemencoding(), [m.name for m in t] == [m.name for m in shards.plain_members(p)])")
+            "print(sys.getfilesystemencoding(), [m.name for m in t] == [m.name for m in plain_members(p)])")
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "shard.tar")], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
@@ -429,7 +431,7 @@ def test_shards_rewritten_by_gnu_tar_pass_the_start_up_check(packed, tmp_path, f
     headers through tarfile; the same samples either way."""
     import subprocess
 
-    from largebatch.data import shards
+    from largebatch.data.shard_check import _plain_keys, check_split
 
     root, index = _copy(packed, tmp_path)
     for shard in index["splits"]["train"]["shards"]:
@@ -444,8 +446,8 @@ def test_shards_rewritten_by_gnu_tar_pass_the_start_up_check(packed, tmp_path, f
         keys = _tar_keys(root / shard["name"], 3)
         assert keys == _tar_keys(packed / shard["name"], 3)
         if fmt != "pax":
-            assert shards._plain_keys(root / shard["name"], 3) == keys
-    shards.check_split(root, "train", index["splits"]["train"], 3)
+            assert _plain_keys(root / shard["name"], 3) == keys
+    check_split(root, "train", index["splits"]["train"], 3)
 
 
 def _sources(root: Path, split: str, num_classes: int = 3, on_corrupt: str = "fail") -> list[ShardSource]:
@@ -527,11 +529,11 @@ def test_a_split_by_index_of_a_shard_source_is_refused(dataset, key):
 def packed_large(tmp_path_factory) -> Path:
     """Shards of about 128 KiB (150 train samples in a few shards): larger than the 20 KiB of each shard that its
     fingerprint covers, so a start-up check that reads more than the ends shows."""
-    from largebatch.data import shards
+    from largebatch.data.pack import pack
 
     root = tmp_path_factory.mktemp("packed_large")
     _tree(root / "if", train=150, val=20)
-    shards.pack(root / "if", root / "sh", shard_bytes=128 * 1024)
+    pack(root / "if", root / "sh", shard_bytes=128 * 1024)
     return root / "sh"
 
 
@@ -568,8 +570,6 @@ def test_the_start_up_check_reads_o_shards_bytes_no_member_header(packed_large, 
     """(a) With the fingerprints data pack records, start-up reads each shard's size, first 4 KiB and last 16 KiB:
     no header walk (neither the direct one nor tarfile's), two reads per shard, a fixed number of bytes per shard
     whatever it holds. Before build 5 every member header of every shard was read on every rank."""
-    from largebatch.data import shards
-
     root, index = _copy(packed_large, tmp_path)
     names = [s["name"] for split in ("train", "val") for s in index["splits"][split]["shards"]]
     on_disk = sum((root / n).stat().st_size for n in names)
@@ -579,8 +579,8 @@ def test_the_start_up_check_reads_o_shards_bytes_no_member_header(packed_large, 
     def walked(*args):
         raise AssertionError("a shard was walked at start-up")
 
-    monkeypatch.setattr(shards, "_plain_walk", walked)
-    monkeypatch.setattr(shards, "_tar_walk", walked)
+    monkeypatch.setattr("largebatch.data.tar._plain_walk", walked)
+    monkeypatch.setattr("largebatch.data.shard_check._tar_walk", walked)
     reads = _Reads(monkeypatch)
     train, test, info = build_data(DataConfig(dataset="shards", root=str(root), image_size=16), seed=0)
     assert (len(train), len(test)) == (150, 20)
@@ -591,7 +591,7 @@ def test_the_start_up_check_reads_o_shards_bytes_no_member_header(packed_large, 
 def test_a_shard_whose_size_differs_from_the_index_is_walked_and_named_at_start_up(packed_large, tmp_path):
     """(b) A shard cut short (another size than index.json records) is walked at start-up, alone, and is one
     sentence naming it and the fix; the other shards are not walked."""
-    from largebatch.data import shards
+    from largebatch.data.shard_check import check_split
 
     root, index = _copy(packed_large, tmp_path)
     entry = index["splits"]["train"]
@@ -608,8 +608,8 @@ def test_a_shard_whose_size_differs_from_the_index_is_walked_and_named_at_start_
     entry = index["splits"]["train"]
     victim = root / entry["shards"][1]["name"]
     victim.write_bytes(victim.read_bytes() + bytes(10240))
-    assert shards.check_split(root, "train", entry, 3) == [1]
-    assert shards.check_split(root, "val", index["splits"]["val"], 3) == []
+    assert check_split(root, "train", entry, 3) == [1]
+    assert check_split(root, "val", index["splits"]["val"], 3) == []
 
 
 def test_an_index_listing_other_counts_or_fewer_classes_is_walked_and_named(packed_large, tmp_path):
@@ -632,14 +632,14 @@ def test_an_index_listing_other_counts_or_fewer_classes_is_walked_and_named(pack
 def test_an_index_without_fingerprints_is_walked_as_before(packed_large, tmp_path):
     """An index.json written before build 5 (counts only): every shard is walked at start-up, as before, and a
     damaged one is named there."""
-    from largebatch.data import shards
+    from largebatch.data.shard_check import check_split
 
     root, index = _copy(packed_large, tmp_path)
     _edit_index(root, lambda ix: [s.pop(k) for split in ix["splits"].values() for s in split["shards"]
                                   for k in ("size", "max_label", "ends")])
     index = json.loads((root / "index.json").read_text())
     entry = index["splits"]["train"]
-    assert shards.check_split(root, "train", entry, 3) == list(range(len(entry["shards"])))
+    assert check_split(root, "train", entry, 3) == list(range(len(entry["shards"])))
     _rewrite(root / entry["shards"][0]["name"], _set_label(b"cat"))
     with pytest.raises(UserError, match="holds b'cat', not a class number"):
         build_data(DataConfig(dataset="shards", root=str(root), image_size=16, loader_workers=0), seed=0)

@@ -30,11 +30,11 @@ evaluation and at most once in training (exactly once where the epoch's steps us
 augmentation is keyed by its position in the sequence in listed order, so it does not depend on ranks or
 workers. Start-up (6'), O(shards) where the index has fingerprints: a shard whose index entry carries the
 fingerprint that `largebatch data index` (and `data pack`) record (`size`, `max_label`, `ends`:
-`shards.fingerprint`, the SHA-256 of the count, the largest label and the file's first 4 KiB and last 16 KiB)
+`shard_check.fingerprint`, the SHA-256 of the count, the largest label and the file's first 4 KiB and last 16 KiB)
 and whose file matches it, with `max_label` < `data.num_classes`, is not walked: one open and two small reads.
 Every other shard is walked once (tar headers, and each label's bytes; no image decoded; the headers read
 directly in the plain layouts, webdataset's writer's pax time records included, through tarfile otherwise:
-`shards.plain_members`): a shard of an index without fingerprints (a `wids` list as published, or one written
+`tar.plain_members`): a shard of an index without fingerprints (a `wids` list as published, or one written
 before build 5: walked at each start; `largebatch data index` again adds them), or one changed since it was
 indexed. A sample without an image or a label, a label that is no whole number or is outside the classes, a
 damaged or truncated tar, or a count other than the index's is one sentence naming the shard and member, before
@@ -61,8 +61,10 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from largebatch.data.shards import (INDEX, PlainMember, PlainReader, ShardSource, Unusual, _members, _open_shard,
-                                    _ShardStream, fingerprint, plain_members, read_ends, read_member, unchanged)
+from largebatch.data.shard_check import fingerprint, read_ends, unchanged
+from largebatch.data.shards import ShardSource, ShardStream
+from largebatch.data.tar import (INDEX, PlainMember, PlainReader, Unusual, members, open_shard, plain_members,
+                                 read_member)
 from largebatch.errors import UserError, os_error_fix, shown
 
 WIDS_KIND = "wids-shard-index-v1"
@@ -165,7 +167,7 @@ def locate(root: str, val_root: str | None) -> tuple[list[Path], list[Path]]:
 
 # ---- per-shard counts ---------------------------------------------------------------------------
 
-_MARKS = ("size", "max_label", "ends")   # a shard's fingerprint fields in an index entry (shards.fingerprint)
+_MARKS = ("size", "max_label", "ends")   # a shard's fingerprint fields in an index entry (shard_check.fingerprint)
 
 
 def _read_index(path: Path) -> dict[str, dict] | None:
@@ -223,7 +225,7 @@ def counts(paths: list[Path]) -> tuple[list[int], list[Path], list[dict]]:
 
 # ---- samples -------------------------------------------------------------------------------------
 
-Member = TypeVar("Member", tarfile.TarInfo, PlainMember)   # as tarfile reads it, or shards.plain_members
+Member = TypeVar("Member", tarfile.TarInfo, PlainMember)   # as tarfile reads it, or tar.plain_members
 
 
 def samples_in(members: Iterable[Member], where: str, size: int) -> Iterator[tuple[str, dict[str, Member]]]:
@@ -300,23 +302,23 @@ def label_of(read: Callable[[Member], bytes], where: str, key: str, group: dict[
 
 def walk(path: Path, num_classes: int | None) -> tuple[int, int]:
     """Step 6': a shard's sample count and its largest label, every sample checked (image present, label
-    readable and in range); no image is decoded. The headers are read directly (`shards.plain_members`) in
+    readable and in range); no image is decoded. The headers are read directly (`tar.plain_members`) in
     the plain layouts, through tarfile in any other; the same members either way, so the same rules and
     sentences."""
     where = shown(path)
     try:
-        members = plain_members(path)
+        plain = plain_members(path)
     except Unusual:
-        tar, size = _open_shard(path)
+        tar, size = open_shard(path)
         with tar:
-            return _count(samples_in(_members(tar, where, _COPY), where, size), where, num_classes,
+            return _count(samples_in(members(tar, where, _COPY), where, size), where, num_classes,
                           lambda m: read_member(tar, where, m, fix=_COPY))
     try:
         size = path.stat().st_size
     except OSError as err:   # gone since its headers were read
         raise UserError(f"cannot read shard {where} ({err.strerror or err}); {os_error_fix(err)}.") from None
     with PlainReader(path, where, _COPY) as read:
-        return _count(samples_in(members, where, size), where, num_classes, read)
+        return _count(samples_in(plain, where, size), where, num_classes, read)
 
 
 def _count(samples: Iterable[tuple[str, dict[str, Member]]], where: str, num_classes: int | None,
@@ -347,8 +349,8 @@ def check_counts(paths: list[Path], listed: list[int], sources: list[Path], num_
 
 # ---- reading ---------------------------------------------------------------------------------------
 
-class WdsStream(_ShardStream):
-    """`shards._ShardStream` with webdataset's sample layout: names are the shards' paths, a sample's key
+class WdsStream(ShardStream):
+    """`shards.ShardStream` with webdataset's sample layout: names are the shards' paths, a sample's key
     (its augmentation key) its position in the listed order."""
 
     def _read(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[str, int, bytes, int]]:
@@ -357,14 +359,14 @@ class WdsStream(_ShardStream):
             offsets.append(offsets[-1] + c)
         for shard, first, stop in pieces:
             path = Path(self.names[shard])
-            tar, size = _open_shard(path)
+            tar, size = open_shard(path)
             where = shown(path)
             sample = -1
             with tar:
                 def read(member: tarfile.TarInfo) -> bytes:
                     return read_member(tar, where, member, fix=_COPY)
 
-                for key, group in samples_in(_members(tar, where, _COPY), where, size):
+                for key, group in samples_in(members(tar, where, _COPY), where, size):
                     sample += 1
                     if sample >= stop:
                         if stop == self.counts[shard]:

@@ -1,5 +1,5 @@
 """`largebatch data pack SRC_IMAGEFOLDER DST_DIR [--shard-size-mb 64] [--seed 0]`: pack an ImageFolder into
-sequential tar shards (the writer and the reader: largebatch/data/shards.py).
+sequential tar shards (the writer: largebatch/data/pack.py; the reader: largebatch/data/shards.py).
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from largebatch.cli import ArgumentParser, check_numbers
-from largebatch.data.shards import pack
+from largebatch.data.pack import pack
 from largebatch.errors import UserError, shown
 
 
