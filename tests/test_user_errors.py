@@ -16,7 +16,7 @@ import yaml
 from PIL import Image
 
 from largebatch import checkpoint, cli as cli_mod
-from largebatch.data import shards
+from largebatch.data.pack import pack
 
 from conftest import FMNIST
 
@@ -322,7 +322,7 @@ def test_full_disk_leaves_nothing_half_written(tmp_path):
         from largebatch.errors import UserError
 
         with pytest.raises(UserError, match="could not write"):
-            shards.pack(src, mnt / "shards", shard_bytes=1 << 20)
+            pack(src, mnt / "shards", shard_bytes=1 << 20)
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
