@@ -1,6 +1,7 @@
 """Config loading: recipes, --set conversion, and the bad inputs that must exit 2 with one sentence."""
 import gzip
 import json
+import re
 import shutil
 
 import pytest
@@ -121,6 +122,37 @@ def test_each_section_validates_itself():
         BatchConfig(phases=[{"start_epoch": 0}])   # entries given as mappings go through the loader
     for cls in (ModelConfig, OptimConfig, ScheduleConfig, BatchConfig, TrainConfig):
         cls().validate()   # the defaults pass
+
+
+def test_every_bound_is_checked_where_it_is_stated():
+    """Each numeric bound is written once, on its field (the reference shows that text), and the loader refuses a
+    value just outside it in one sentence naming the key: no bound is shown but unchecked, none checked by hand."""
+    from largebatch.config.fields import Bound
+
+    entries = {"batch.phases": {"start_epoch": 0, "global_batch": 64},   # the required keys of each list entry
+               "data.resolution_phases": {"start_epoch": 0, "image_size": 8},
+               "ensemble.segments": {"epochs": 1, "collapse": True}}
+    checked = 0
+    for row in config.reference():
+        if not row.bounds.startswith((">", "(", "[")):   # choices, or any value of the type
+            continue
+        bound, whole = Bound.parse(row.bounds), row.type.startswith("whole number")
+        step = 1 if whole else 0.5
+        outside = [bound.low if bound.low_open else bound.low - step]
+        if bound.high != float("inf"):
+            outside.append(bound.high if bound.high_open else bound.high + step)
+        for value in outside:
+            if "[]" in row.key:
+                list_key, name = row.key.split("[].")
+                section, key = list_key.split(".")
+                data, where = {section: {key: [{**entries[list_key], name: value}]}}, f"{list_key}[0].{name}"
+            else:
+                section, key = row.key.split(".")
+                data, where = {section: {key: value}}, row.key
+            with pytest.raises(UserError, match=rf"^{re.escape(where)} is "):
+                config.from_dict(data)
+            checked += 1
+    assert checked > 70
 
 
 def test_global_batch_beside_phases_is_refused(tmp_path):

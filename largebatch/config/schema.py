@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, OPTIONS
 from largebatch.config.fields import SAYS_IN_BOUNDS, Item, Section, _choices, _doc, _is_number, _required, _suggest
@@ -68,12 +68,17 @@ class ModelConfig(Section):
                             "package.module:factory.")
 
 
+def _start_epoch(doc: str, says: str) -> Any:
+    """A phase's start_epoch, the one rule phases share: 0 or later (and each its own: schedule.in_start_order)."""
+    return _required(doc, bounds=">= 0", says=says)
+
+
 @dataclass
 class ResolutionPhase(Item):
     """Progressive resizing: from `start_epoch` on, training batches are resized to `image_size`."""
 
-    start_epoch: float = _required("epoch (fractional allowed) from which this size applies", bounds=">= 0",
-                                   says="{key} is {value:g}; give a number {bounds}.")
+    start_epoch: float = _start_epoch("epoch (fractional allowed) from which this size applies",
+                                      "{key} is {value:g}; give a number {bounds}.")
     image_size: int = _required("training image size in pixels from start_epoch on", bounds=">= 4",
                                 says="{key} is {value!r}; give an integer of at least {low} pixels.")
 
@@ -82,8 +87,8 @@ class ResolutionPhase(Item):
 class BatchPhase(Item):
     """Batch-size control (Sony): from `start_epoch` on, `global_batch` images per step, at peak lr `lr`."""
 
-    start_epoch: int = _required("whole epoch this phase starts at (the first phase starts at 0)", bounds=">= 0",
-                                 says="{key} is {value!r}; give a whole number of epochs {bounds}.")
+    start_epoch: int = _start_epoch("whole epoch this phase starts at (the first phase starts at 0)",
+                                    "{key} is {value!r}; give a whole number of epochs {bounds}.")
     global_batch: int = _required("images per optimizer step across all workers in this phase", bounds="> 0",
                                   says="{key} is {value!r}; give a positive integer.")
     lr: Optional[float] = _doc(None, "peak lr of this phase (null: optim.lr scaled to global_batch by "
