@@ -187,11 +187,20 @@ def configure_backends(device: torch.device, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = not deterministic
 
 
+def cores_here() -> int:
+    """The cores this process may run on (its affinity: taskset, a cpuset), else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def set_threads(threads: int | None, local_world_size: int) -> int:
-    """Intra-op threads per worker: cores / local workers unless given (no oversubscription)."""
+    """Intra-op threads per worker: `threads` (train.threads) when given; else the environment's OMP_NUM_THREADS
+    when it is a whole number >= 1 (torch's own rule, which a user who set it expects, and what the launcher
+    gives each worker); else this process's cores / local workers. Never more threads than cores: OpenMP
+    threads that outnumber the free cores spin at their barriers, and a step slows several times over, not
+    twice (a 2-thread run beside other work measured 8x a 1-thread one; docs/reliability.md)."""
     if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // max(1, local_world_size))
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        threads = int(env) if env.isdigit() and int(env) >= 1 else max(1, cores_here() // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
 

@@ -74,7 +74,8 @@ def local_workers(nproc: int, command: list[str], max_restarts: int = 0) -> list
     rendezvous on loopback, for `run_agent`; sets OMP_NUM_THREADS to the cores per worker unless the user set it."""
     import os
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))   # this process's cores (dist.cores_here)
     return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
             "--max-restarts", str(max_restarts), "-m", "largebatch", *command]

@@ -8,6 +8,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 
+# Each pytest worker (pytest-xdist -n N) owns its share of the cores, as a launcher gives each training worker its
+# share: the runs a test starts take OMP_NUM_THREADS from here (largebatch.dist.set_threads honours it, and the
+# launcher passes it on). Without it two pytest workers each start 2-thread runs on 2 cores, and OpenMP threads
+# that outnumber the cores spin at their barriers: a tiny run took 8x as long. A test may still set its own.
+_PYTEST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _PYTEST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _PYTEST_WORKERS)))
+
 
 def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
     """Run `python -m largebatch ARGS` as a user would; returns the CompletedProcess."""
