@@ -44,6 +44,7 @@ def test_speedrun_recipe_resolves(cli):
     proc = cli("train", "fashion_mnist_speedrun", "--dry-run", "--world-size", "2", check=True)
     plan = json.loads(proc.stdout.strip().splitlines()[-1])
     assert plan["model"] == "speedrun" and plan["per_worker_batch"] * 2 == plan["global_batch"]
+    assert "largebatch train --dry-run: fashion_mnist_speedrun" in proc.stdout   # the dry run names itself, not plan
 
 
 def test_plain_cnn_and_bench_speedrun_user_error(cli):

@@ -123,7 +123,7 @@ def print_plan(plan: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"largebatch plan: {plan['recipe']}", show_header=False)
+    table = Table(title=f"largebatch train --dry-run: {plan['recipe']}", show_header=False)
     for key, value in plan.items():
         if key not in ("phases", "ensemble", "resolution_phases", "notes"):
             table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
