@@ -124,8 +124,9 @@ class Trainer:
 
         # 6. model
         torch.manual_seed(t.seed)   # identical initial weights on every rank and every world size
-        self.model = model = build_classifier(cfg, self.data_info, self.device,
-                                              use_channels_last(t.channels_last, self.device, t.precision))
+        self.model = model = build_classifier(cfg.model, self.data_info, self.device,
+                                              use_channels_last(t.channels_last, self.device, t.precision),
+                                              [p.image_size for p in cfg.data.resolution_phases])
         self.channels_last = model.channels_last   # batches follow the model's memory format
         if model.channels_last_note and self.main:
             print(f"largebatch: {model.channels_last_note}", file=sys.stderr, flush=True)

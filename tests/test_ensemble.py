@@ -26,7 +26,7 @@ def _snapshots(cfg, info, n=3):
     states = []
     for seed in range(n):
         torch.manual_seed(100 + seed)
-        model = build_classifier(cfg, info)
+        model = build_classifier(cfg.model, info)
         for p in model.parameters():   # random weights everywhere (zero-init gammas would make members alike)
             p.data.normal_(0, 0.5)
         states.append(model.state_dict())
@@ -39,7 +39,7 @@ def _hand(cfg, states, test, flip=False):
     x, y = next(test.batches([torch.arange(len(test))], train=False, epoch=0))
     probs = []
     for st in states:
-        m = build_classifier(cfg, _info(cfg))
+        m = build_classifier(cfg.model, _info(cfg))
         m.load_state_dict(st)
         m.eval()
         with torch.no_grad():

@@ -105,7 +105,7 @@ def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
 
     cfg = config.load(str(run / "config.yaml"))
     _, test, info = build_data(cfg.data, cfg.train.seed)
-    model = build_classifier(cfg, info)
+    model = build_classifier(cfg.model, info)
     _, _, state = final_params(run)
     model.load_state_dict(state["model"])
     single = evaluate(model, test, DistInfo(), torch.device("cpu"))
@@ -143,11 +143,11 @@ def test_a_narrow_resnet_on_cpu_runs_without_channels_last_and_says_why(cli, tmp
     cfg.model.name, cfg.model.width = "resnet18", 4
     info = DatasetInfo(num_classes=10, in_channels=1, image_size=28, mean=(0.5,), std=(0.5,), train_size=64,
                        test_size=64, name="probe")
-    narrow = build_classifier(cfg, info, torch.device("cpu"), channels_last=True)
+    narrow = build_classifier(cfg.model, info, torch.device("cpu"), channels_last=True)
     assert not narrow.channels_last and "net.layer2.0.shortcut.0 (4 input channels)" in narrow.channels_last_note
     assert narrow.net.layer2[0].shortcut[0].weight.is_contiguous()
     cfg.model.width = 8
-    wide = build_classifier(cfg, info, torch.device("cpu"), channels_last=True)
+    wide = build_classifier(cfg.model, info, torch.device("cpu"), channels_last=True)
     assert wide.channels_last and wide.channels_last_note is None
     assert wide.net.layer2[0].shortcut[0].weight.is_contiguous(memory_format=torch.channels_last)
 

@@ -71,8 +71,9 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     train, test, data_info = build_data(cfg.data, cfg.train.seed)
     check_classes(run_dir, data_info.classes, write=False)   # the labels the run was trained with
     torch.manual_seed(cfg.train.seed)
-    model = build_classifier(cfg, data_info, device, use_channels_last(cfg.train.channels_last, device,
-                                                                        cfg.train.precision))
+    model = build_classifier(cfg.model, data_info, device,
+                             use_channels_last(cfg.train.channels_last, device, cfg.train.precision),
+                             [p.image_size for p in cfg.data.resolution_phases])
     channels_last = model.channels_last
     out: dict = {"run_dir": str(run_dir), "world_size": info.world_size, "model": model.built}
     if use_ensemble:

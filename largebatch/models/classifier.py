@@ -1,12 +1,16 @@
 """The classifier a run trains: normalisation as the model's first step, then the network of `model.name`."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
 from torch import nn
 
-from largebatch.config import Config
 from largebatch.errors import UserError
 from largebatch.layout import NARROW_CHANNELS, cpu_channels_last_hazard
+
+if TYPE_CHECKING:
+    from largebatch.config import ModelConfig
 
 
 class Classifier(nn.Module):
@@ -57,33 +61,34 @@ def check_input_size(name: str, size: int, key: str, *, in_channels: int = 3, st
         _check_input_size(net, name, in_channels, size, key)
 
 
-def build_classifier(cfg: Config, info, device: torch.device | None = None, channels_last: bool = False
-                     ) -> Classifier:
-    """The configured net behind the data set's normalization, on `device`, in channels-last memory if asked."""
+def build_classifier(cfg: ModelConfig, info, device: torch.device | None = None, channels_last: bool = False,
+                     phase_sizes: Sequence[int] = ()) -> Classifier:
+    """The net of the run's ``model`` section (`cfg`) behind the data set's normalization (`info`), on `device`,
+    in channels-last memory if asked; `phase_sizes`: the image sizes of data.resolution_phases, each of which the
+    net must take."""
     from largebatch.models import Normalize, build_model_recorded
 
-    stem = cfg.model.stem
+    stem = cfg.stem
     if stem == "auto":
         stem = "small" if info.image_size <= 64 else "imagenet"
-    net, built = build_model_recorded(cfg.model.name, num_classes=info.num_classes, in_channels=info.in_channels,
-                                      stem=stem, zero_init_residual=cfg.model.zero_init_residual,
-                                      width=cfg.model.width)
-    smallest = min([info.image_size] + [p.image_size for p in cfg.data.resolution_phases])
-    _check_input_size(net, cfg.model.name, info.in_channels, smallest,
+    net, built = build_model_recorded(cfg.name, num_classes=info.num_classes, in_channels=info.in_channels,
+                                      stem=stem, zero_init_residual=cfg.zero_init_residual, width=cfg.width)
+    smallest = min([info.image_size, *phase_sizes])
+    _check_input_size(net, cfg.name, info.in_channels, smallest,
                       "data.image_size" if smallest == info.image_size else "image_size in data.resolution_phases")
     model = Classifier(Normalize(info.mean, info.std), net).to(device)
     model.built = built.record()
     model.notes = [built.note] if built.note else []
-    if cfg.model.bn_batch:
+    if cfg.bn_batch:
         from largebatch.models.ghost_bn import apply_bn_batch
 
-        other = apply_bn_batch(net, cfg.model.bn_batch)
+        other = apply_bn_batch(net, cfg.bn_batch)
         if other:
-            model.notes.append(f"model.bn_batch {cfg.model.bn_batch} applies to torch's BatchNorm2d layers; "
+            model.notes.append(f"model.bn_batch {cfg.bn_batch} applies to torch's BatchNorm2d layers; "
                                f"{len(other)} BN layers of other classes keep the whole batch (e.g. {other[0]}).")
-    if ":" in cfg.model.name and (cfg.model.width != 64 or cfg.model.stem != "auto"):
-        model.notes.append(f"model.width {cfg.model.width} and model.stem {cfg.model.stem} apply to largebatch's own "
-                           f"models; {cfg.model.name} is built by its own constructor, which ignores them.")
+    if ":" in cfg.name and (cfg.width != 64 or cfg.stem != "auto"):
+        model.notes.append(f"model.width {cfg.width} and model.stem {cfg.stem} apply to largebatch's own "
+                           f"models; {cfg.name} is built by its own constructor, which ignores them.")
     hazard = cpu_channels_last_hazard(model) if channels_last and (device is None or device.type == "cpu") else None
     if hazard:
         model.channels_last_note = (
