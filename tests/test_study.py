@@ -13,38 +13,57 @@ import pytest
 
 from largebatch import config as config_mod
 from largebatch.commands import study
+from largebatch.commands.study import cells as cells_mod
+from largebatch.commands.study import directory, plan, tables, verdict
+from largebatch.commands.study import tuning as tuning_mod
+from largebatch.commands.study.kinds import KINDS, parser
+from largebatch.commands.study.summary import chosen_lrs, machines, mean_std, summarise
+from largebatch.commands.study.summary import tables as summary_tables
 from largebatch.errors import UserError
+
+SCALING, ENSEMBLE = KINDS["batch-scaling"], KINDS["ensemble"]
+
+
+def _layout(*flags: str) -> plan.Layout:
+    return plan.scaling_layout(SCALING, parser("batch-scaling").parse_args(list(flags)))
+
+
+def _cells_of(layout: plan.Layout, seeds: int, grid: dict, chosen: dict | None = None) -> list[tuple]:
+    return [(*group.key, lr, s) for group, lr, s in plan.plan_cells(layout, seeds, grid, chosen)]
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_plan_expands_the_lr_grid_and_seeds():
-    grid = study.lr_grid(["lars:1,2,4"], ["sgd", "lars"])
+    grid = plan.lr_grid(["lars:1,2,4"], ["sgd", "lars"])
     assert grid == {"lars": [1.0, 2.0, 4.0]}
-    cells = study.plan_cells([64, 384], ["sgd", "lars"], 2, grid)
+    cells = _cells_of(_layout("--batches", "64,384", "--optimizers", "sgd,lars"), 2, grid)
     assert len(cells) == 2 * 2 * (1 + 3)
     assert cells[:4] == [(64, "sgd", None, 0), (64, "lars", 1.0, 0), (64, "lars", 2.0, 0), (64, "lars", 4.0, 0)]
     assert {c[3] for c in cells[:8]} == {0}            # seeds outermost: a stopped study has whole seeds done
-    chosen = study.plan_cells([64], ["lars"], 3, {}, chosen={(64, "lars"): 2.0})
+    chosen = _cells_of(_layout("--batches", "64", "--optimizers", "lars"), 3, {}, chosen={(64, "lars"): 2.0})
     assert chosen == [(64, "lars", 2.0, s) for s in range(3)]
-    with pytest.raises(UserError, match="no choice for sgd at batch 64"):
-        study.plan_cells([64], ["sgd"], 1, {}, chosen={(64, "lars"): 2.0})
+    with pytest.raises(UserError, match="no choice for sgd at batch 64; tune that cell too"):
+        _cells_of(_layout("--batches", "64", "--optimizers", "sgd"), 1, {}, chosen={(64, "lars"): 2.0})
     with pytest.raises(UserError, match="not one of --optimizers"):
-        study.lr_grid(["lamb:1"], ["sgd"])
+        plan.lr_grid(["lamb:1"], ["sgd"])
     with pytest.raises(UserError, match="positive"):
-        study.lr_grid(["sgd:0.1,-1"], ["sgd"])
+        plan.lr_grid(["sgd:0.1,-1"], ["sgd"])
+    assert plan.lr_grid("0.1,0.2", None) == {"*": [0.1, 0.2]} and plan.lr_grid(None, None) == {}   # the variants'
+    with pytest.raises(UserError, match="--lr-grid is empty"):
+        plan.lr_grid("", None)
 
 
 def test_claims_only_keeps_the_baseline_and_each_claims_cell():
-    pairs = study.claim_cells([64, 384, 1536, 3072, 6144], ["sgd", "lars", "lamb"])
+    pairs = plan.claim_cells([64, 384, 1536, 3072, 6144], ["sgd", "lars", "lamb"])
     assert pairs == {(64, "sgd"), (384, "sgd"), (3072, "sgd"), (1536, "lars"), (1536, "lamb")}
-    assert study.claim_cells([64, 1536], ["sgd", "lars"]) == {(64, "sgd"), (1536, "lars")}
-    cells = study.plan_cells([64, 1536], ["sgd", "lars"], 2, {}, only={(64, "sgd"), (1536, "lars")})
+    assert plan.claim_cells([64, 1536], ["sgd", "lars"]) == {(64, "sgd"), (1536, "lars")}
+    cells = _cells_of(_layout("--batches", "64,1536", "--optimizers", "sgd,lars", "--claims-only"), 2, {})
     assert cells == [(64, "sgd", None, 0), (1536, "lars", None, 0), (64, "sgd", None, 1), (1536, "lars", None, 1)]
     with pytest.raises(UserError, match="add sgd to --optimizers"):
-        study.claim_cells([64, 1536], ["lars"])
+        plan.claim_cells([64, 1536], ["lars"])
     with pytest.raises(UserError, match="no claim's cell is in --batches"):
-        study.claim_cells([64, 128], ["sgd", "lars"])
+        plan.claim_cells([64, 128], ["sgd", "lars"])
 
 
 def test_the_claims_experiment_reruns_the_committed_final_cells_exactly(tmp_path):
@@ -79,11 +98,13 @@ def test_the_claims_experiment_reruns_the_committed_final_cells_exactly(tmp_path
 
 def test_cell_overrides_and_directories():
     args = SimpleNamespace(opt_set=[], micro_batch=512, epochs=24, overrides=["model.width=8"], val_split=10000)
-    sets = study.cell_overrides(args, 384, "lars", 1, lr=4.0)
+    sets = plan.cell_overrides(args, 384, "lars", 1, lr=4.0)
     assert sets[0] == "model.width=8" and "optim.lr=4" in sets and "data.val_split=10000" in sets
     assert "batch.global_batch=384" in sets and "train.seed=1" in sets and "schedule.epochs=24" in sets
-    assert study._cell_dir(study.Path("o"), 384, "lars", 1, 4.0).name == "lars-b384-lr4-s1"
-    assert study._cell_dir(study.Path("o"), 384, "lars", 1).name == "lars-b384-s1"   # without a grid: as before
+    (group,) = _layout("--batches", "384", "--optimizers", "lars").groups
+    assert group.fields == {"batch": 384, "optimizer": "lars"} and "optim.lr=4" in group.sets(4.0, 1)
+    assert plan.cell_dir(Path("o"), group, 4.0, 1).name == "lars-b384-lr4-s1"
+    assert plan.cell_dir(Path("o"), group, None, 1).name == "lars-b384-s1"   # without a grid: as before
 
 
 def _cells():
@@ -96,43 +117,44 @@ def _cells():
 
 
 def test_summary_marks_the_best_lr_and_the_writers_show_it(tmp_path):
-    table = study.summarise(_cells())
+    table = summarise(SCALING, _cells())
     assert set(table) == {"lars@384/lr1", "lars@384/lr2", "lars@384/lr4"}
     best = table["lars@384/lr2"]
     assert best["chosen"] and not table["lars@384/lr1"]["chosen"]
     assert best["top1_mean"] == pytest.approx(0.86) and best["top1_std"] == pytest.approx(0.01414, rel=1e-3)
-    md = study.markdown(table, [64, 384], ["lars"], "validation")
+    md = tables.grid_markdown(table, [64, 384], ["lars"], "validation")
     assert "lars validation top-1" in md and "| 384 | 86.00 ± 1.41 (n=2) | 2 (best of 3) |" in md
     assert "| 64 | (not run)" in md
     png = tmp_path / "s.png"
-    study.plot(table, ["lars"], png, train_size=50000, split="validation")
+    tables.plot(table, ["lars"], png, train_size=50000, split="validation")
     assert png.stat().st_size > 1000
     # an optimum at the grid's edge is marked, and the noise scale of the chosen lr is tabled
     edge = [dict(c, top1=0.9, noise_scale=1500.0) if c.get("lr") == 4.0 else c for c in _cells()]
-    md = study.markdown(study.summarise(edge), [64, 384], ["lars"])
+    md = tables.grid_markdown(summarise(SCALING, edge), [64, 384], ["lars"])
     assert "| 4 (best of 3, at the edge) |" in md and "| 384 | 1,500 |" in md
     # a diverged lr counts as tried: above the best, the best is no longer at the grid's edge
     gone = edge + [{"batch": 384, "optimizer": "lars", "lr": 8.0, "seed": 0, "top1": None, "diverged": True}]
-    md = study.markdown(study.summarise(gone), [64, 384], ["lars"])
+    md = tables.grid_markdown(summarise(SCALING, gone), [64, 384], ["lars"])
     assert "| 4 (best of 4, 1 diverged) |" in md
-    tuning = tmp_path / "study.json"
-    tuning.write_text(json.dumps({"val_split": 10000, "table": table}))
-    assert study.chosen_lrs(tuning) == {(384, "lars"): 2.0}
-    tuning.write_text(json.dumps({"val_split": None, "table": table}))
+    tuned = tmp_path / "study.json"
+    tuned.write_text(json.dumps({"val_split": 10000, "table": table}))
+    assert tuning_mod.chosen_lrs_of([tmp_path], SCALING) == {(384, "lars"): 2.0}
+    assert chosen_lrs([(("a",), 0.5, 1.0), (("a",), 0.7, 2.0), (("a",), 0.7, 4.0)]) == {("a",): 2.0}   # ties: first
+    tuned.write_text(json.dumps({"val_split": None, "table": table}))
     with pytest.raises(UserError, match="was not run with --val-split"):
-        study.chosen_lrs(tuning)
+        tuning_mod.chosen_lrs_of([tmp_path], SCALING)
 
 
 def test_the_claims_table_judges_against_sgd_at_the_smallest_batch():
     cells = [{"batch": b, "optimizer": o, "lr": 1.0, "seed": s, "top1": t + 0.001 * s, "train_loss": 0.3}
              for b, o, t in ((64, "sgd", 0.930), (384, "sgd", 0.925), (3072, "sgd", 0.900), (1536, "lars", 0.915))
              for s in range(3)]
-    rows = {(r["optimizer"], r["batch"]): r for r in study.claims(study.summarise(cells))}
+    rows = {(r["optimizer"], r["batch"]): r for r in verdict.judge(SCALING, summarise(SCALING, cells))}
     assert set(rows) == {("sgd", 384), ("sgd", 3072), ("lars", 1536)}          # LAMB did not run: no row
     assert rows[("sgd", 384)]["held"] and rows[("sgd", 384)]["difference"] == pytest.approx(-0.005)
     assert rows[("sgd", 3072)]["held"]                                          # the breakdown: 3 points below
     assert not rows[("lars", 1536)]["held"]                                     # 1.5 points below: not within 1
-    md = study.claims_markdown(list(rows.values()), "test")
+    md = tables.claims_markdown(list(rows.values()), "test")
     assert "| You et al.: LARS at ImageNet 32K" in md and "| -1.50 ± 0.10 | did not hold |" in md
 
 
@@ -141,30 +163,30 @@ def test_noise_scale_of_a_run_is_a_ratio_of_means_over_its_second_half(tmp_path)
             for i, (e, g2, tr) in enumerate(((0.5, 1.0, 1000.0), (1.5, 2.0, 100.0), (2.0, 1.0, 500.0)))]
     eval_rec = {"kind": "eval", "step": 3, "top1": 0.5}
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs + [eval_rec]))
-    assert study._noise_scale(tmp_path) == pytest.approx((100.0 + 500.0) / (2.0 + 1.0))   # epochs >= 1.0 only
-    assert study._noise_scale(tmp_path / "missing") is None
+    assert cells_mod.noise_scale(tmp_path) == pytest.approx((100.0 + 500.0) / (2.0 + 1.0))   # epochs >= 1.0 only
+    assert cells_mod.noise_scale(tmp_path / "missing") is None
 
 
 def test_a_study_continues_with_a_grown_lr_grid_or_tuning_list_only():
     old = {"recipe": "fashion_mnist", "epochs": 8, "lr_grid": ["lars:1,2,4", "sgd:0.5"], "from_tuning": None}
     grown = {**old, "lr_grid": ["lars:1,2,4,8", "sgd:0.5"]}
-    assert study.same_study(old, grown, ["sgd", "lars"])
-    assert study.same_study(old, old, ["sgd", "lars"])
-    assert not study.same_study(grown, old, ["sgd", "lars"])                      # a value dropped
-    assert not study.same_study(old, {**grown, "epochs": 9}, ["sgd", "lars"])       # anything else changed
+    assert directory.same_study(old, grown, ["sgd", "lars"])
+    assert directory.same_study(old, old, ["sgd", "lars"])
+    assert not directory.same_study(grown, old, ["sgd", "lars"])                      # a value dropped
+    assert not directory.same_study(old, {**grown, "epochs": 9}, ["sgd", "lars"])       # anything else changed
     # a final study takes a tuning study added at the end of its --from-tuning list (a re-run, a cell tuned later)
     final = {"recipe": "fashion_mnist", "epochs": 24, "lr_grid": [], "from_tuning": "t/a, t/b"}
-    assert study.same_study(final, {**final, "from_tuning": "t/a, t/b, t/rerun"}, ["sgd"])
-    assert not study.same_study(final, {**final, "from_tuning": "t/a"}, ["sgd"])               # one dropped
-    assert not study.same_study(final, {**final, "from_tuning": "t/rerun, t/a, t/b"}, ["sgd"])  # not at the end
-    assert not study.same_study(final, {**final, "from_tuning": "t/a, t/bc"}, ["sgd"])
-    assert not study.same_study({**final, "from_tuning": None}, final, ["sgd"])       # a grid study is not a final
+    assert directory.same_study(final, {**final, "from_tuning": "t/a, t/b, t/rerun"}, ["sgd"])
+    assert not directory.same_study(final, {**final, "from_tuning": "t/a"}, ["sgd"])               # one dropped
+    assert not directory.same_study(final, {**final, "from_tuning": "t/rerun, t/a, t/b"}, ["sgd"])  # not at the end
+    assert not directory.same_study(final, {**final, "from_tuning": "t/a, t/bc"}, ["sgd"])
+    assert not directory.same_study({**final, "from_tuning": None}, final, ["sgd"])       # a grid study is not a final
     # the variant studies (batch-control, ensemble) follow the same rule with their one grid (--lr-grid A,B)
     variants = {"batch": 3072, "epochs": 8, "lr_grid": "0.03125,0.0625", "from_tuning": None}
-    assert study.same_study(variants, {**variants, "lr_grid": "0.03125,0.0625,0.125"})
-    assert not study.same_study(variants, {**variants, "lr_grid": "0.0625"})
-    assert not study.same_study(variants, {**variants, "batch": 1536})
-    assert study.mean_std([0.5]) == (0.5, 0.0) and study.mean_std([1.0, 3.0]) == (2.0, math.sqrt(2.0))
+    assert directory.same_study(variants, {**variants, "lr_grid": "0.03125,0.0625,0.125"})
+    assert not directory.same_study(variants, {**variants, "lr_grid": "0.0625"})
+    assert not directory.same_study(variants, {**variants, "batch": 1536})
+    assert mean_std([0.5]) == (0.5, 0.0) and mean_std([1.0, 3.0]) == (2.0, math.sqrt(2.0))
 
 
 def test_each_cell_keeps_the_machine_it_ran_on_when_a_study_moves(tmp_path):
@@ -179,16 +201,16 @@ def test_each_cell_keeps_the_machine_it_ran_on_when_a_study_moves(tmp_path):
         (run_dir / "summary.json").write_text(json.dumps({**summary, **({"machine": machine} if machine else {})}))
     (out / "study.json").write_text(json.dumps({"machine": "Old CPU (flags: avx2 fma avx512f), 2 cores", "cells": [
         {"run_dir": str(old), "top1": 0.9}, {"run_dir": str(new), "top1": None}]}))
-    earlier = study.earlier_machines(out)
+    earlier = cells_mod.earlier_machines(out)
     assert earlier == {str(old): "Old CPU (flags: avx2 fma avx512f), 2 cores"}   # only finished cells
     args = SimpleNamespace(recipe="fashion_mnist", nproc_per_node=1, dry_run=False)
-    cells = [study.run_cell(args, d, [], "cell", "1/2", None, earlier) for d in (old, new)]
+    cells = [cells_mod.run_cell(args, d, [], "cell", "1/2", None, earlier) for d in (old, new)]
     assert [c["machine"] for c in cells] == ["Old CPU (flags: avx2 fma avx512f), 2 cores",
                                              "New CPU (flags: avx2 fma), 2 cores"]
-    assert study.machines(cells) == ("machines (each cell's in study.json): Old CPU (flags: avx2 fma avx512f), "
+    assert machines(cells) == ("machines (each cell's in study.json): Old CPU (flags: avx2 fma avx512f), "
                                      "2 cores, 1 cell; New CPU (flags: avx2 fma), 2 cores, 1 cell")
-    assert study.machines(cells[1:]) == "machine: New CPU (flags: avx2 fma), 2 cores"
-    assert study.run_cell(args, old, [], "cell", "1/2", None)["machine"] is None   # no record: not guessed
+    assert machines(cells[1:]) == "machine: New CPU (flags: avx2 fma), 2 cores"
+    assert cells_mod.run_cell(args, old, [], "cell", "1/2", None)["machine"] is None   # no record: not guessed
 
 
 def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_path):
@@ -219,7 +241,7 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
     # the final study: the chosen lr, on the test set
     final = tmp_path / "final"
     cli("study", "batch-scaling", *common, "--from-tuning", tune, "--out", final, check=True)
-    chosen = study.chosen_lrs(tune / "study.json")[(32, "sgd")]
+    chosen = tuning_mod.chosen_lrs_of([tune], SCALING)[(32, "sgd")]
     (cell,) = json.loads((final / "study.json").read_text())["cells"]
     assert cell["lr"] == chosen and "val_split" not in cell["command"]
     assert "test top-1" in (final / "study.md").read_text()
@@ -232,16 +254,14 @@ def test_a_tiny_study_resumes_then_runs_the_chosen_lr_on_the_test_set(cli, tmp_p
 
 
 def test_variant_studies_plan_summarise_and_judge(tmp_path):
-    from largebatch.commands import study_variants as sv
-
-    args = sv.parser("batch-control").parse_args(["--epochs", "24", "--switch-epochs", "6"])
-    plan = sv.variants("batch-control", args)
-    assert "batch.phases=[]" in plan["fixed"]
+    args = parser("batch-control").parse_args(["--epochs", "24", "--switch-epochs", "6"])
+    control = plan.variants("batch-control", args)
+    assert "batch.phases=[]" in control["fixed"]
     assert any(s.startswith("batch.phases=[{start_epoch: 0, global_batch: 384}, {start_epoch: 6, global_batch: 3072}]")
-               for s in plan["control"])
+               for s in control["control"])
     with pytest.raises(UserError, match="--switch-epochs"):
-        sv.variants("batch-control", sv.parser("batch-control").parse_args(["--switch-epochs", "30"]))
-    ens = sv.variants("ensemble", sv.parser("ensemble").parse_args(["--epochs", "24", "--cycles", "2",
+        plan.variants("batch-control", parser("batch-control").parse_args(["--switch-epochs", "30"]))
+    ens = plan.variants("ensemble", parser("ensemble").parse_args(["--epochs", "24", "--cycles", "2",
                                                                     "--cycle-epochs", "4"]))
     assert "schedule.epochs=16" in ens["ensemble"] and "ensemble.cycles=2" in ens["ensemble"]
     assert "schedule.epochs=24" in ens["single"] and "ensemble.cycles=0" in ens["single"]
@@ -249,14 +269,14 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
              + [{"variant": "ensemble", "seed": s, "top1": 0.0, "ensemble_top1": e, "best_snapshot_top1": b,
                  "swa_top1": w} for s, (e, b, w) in enumerate([(0.93, 0.92, 0.94), (0.925, 0.915, 0.935),
                                                                (0.935, 0.925, 0.945)])])
-    table = sv.summarise("ensemble", cells)
+    table = summarise(ENSEMBLE, cells)
     assert table["ensemble"]["top1_mean"] == pytest.approx(0.93)          # the ensemble's own top-1
     assert table["verdict"]["gain_over_best_snapshot"] == pytest.approx(0.01)
     assert table["verdict"]["holds"] is True
-    md = sv.markdown("ensemble", table, "test")
+    md = tables.variant_body(ENSEMBLE, table, {}, "test", [])
     assert "| ensemble | 93.00 ± 0.50 | 3 | 92.00 ± 0.50 |" in md and "**held**" in md
     assert "| weight average of the snapshots (SWA, BN recomputed) | 94.00 ± 0.50 | 3 | |" in md
-    sv.plot(table, tmp_path / "bars.png", "test")
+    tables.bars(ENSEMBLE, table, tmp_path / "bars.png", "test")
     assert (tmp_path / "bars.png").stat().st_size > 1000
     # the training-loss curves: at the chosen lr only, over the epochs every seed logged
     for c in cells:
@@ -265,9 +285,9 @@ def test_variant_studies_plan_summarise_and_judge(tmp_path):
         losses = [(0.5, 2.0 + c["seed"]), (1.0, 1.0 + c["seed"])] + ([(1.5, 0.5)] if c["seed"] == 0 else [])
         Path(c["run_dir"], "metrics.jsonl").write_text("".join(
             json.dumps({"kind": "train", "step": i, "epoch": e, "loss": v}) + "\n" for i, (e, v) in enumerate(losses)))
-    curves = sv.loss_curves(table, cells + [{"variant": "single", "lr": 9.0, "top1": 0.5, "run_dir": "absent"}])
+    curves = tables.loss_curves(table, cells + [{"variant": "single", "lr": 9.0, "top1": 0.5, "run_dir": "absent"}])
     assert curves["single"] == [(0.5, 3.0, 2.0, 4.0), (1.0, 2.0, 1.0, 3.0)]
-    sv.plot(table, tmp_path / "curves.png", "test", curves)
+    tables.bars(ENSEMBLE, table, tmp_path / "curves.png", "test", curves)
     assert (tmp_path / "curves.png").stat().st_size > (tmp_path / "bars.png").stat().st_size
 
 
@@ -295,7 +315,7 @@ def test_a_tiny_batch_control_study_tunes_then_runs_both_variants(cli, tmp_path)
     assert {c["variant"] for c in data["cells"]} == {"fixed", "control"}
     assert all(c["top1"] is not None for c in data["cells"])
     control = next(c for c in data["cells"] if c["variant"] == "control")
-    metrics = [json.loads(line) for line in (study.Path(control["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (Path(control["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert {r["global_batch"] for r in metrics if r["kind"] == "train"} == {32, 64}   # the switch happened
     assert "verdict" in data["table"] and "Claim" in (out / "study.md").read_text()
     assert "machine time of the finished cells: " in (out / "study.md").read_text()
@@ -335,7 +355,7 @@ def test_a_tiny_ensemble_study_records_the_ensemble_its_snapshots_and_their_weig
     ens, = (c for c in data["cells"] if c["variant"] == "ensemble")
     assert "ensemble_top1" not in single and single["epochs"] == pytest.approx(3)
     assert ens["epochs"] == pytest.approx(3)                      # the same budget: base 2 + 1 cycle of 1
-    summary = json.loads((study.Path(ens["run_dir"]) / "summary.json").read_text())
+    summary = json.loads((Path(ens["run_dir"]) / "summary.json").read_text())
     assert len(summary["snapshots"]) == 2
     assert ens["ensemble_top1"] == summary["ensemble_top1"] and ens["swa_top1"] == summary["swa_top1"]
     assert ens["best_snapshot_top1"] == max(s["top1"] for s in summary["snapshots"])
@@ -361,15 +381,15 @@ def test_a_final_study_takes_its_choices_from_several_tuning_studies(cli, tmp_pa
     first = tuning("first", [(32, "sgd", 0.05, 0.6), (32, "sgd", 0.4, 0.7)])
     later = tuning("later", [(16, "sgd", 0.1, 0.65), (16, "sgd", 0.2, 0.55)])
     edge = tuning("edge", [(32, "sgd", 0.8, 0.75), (16, "sgd", 0.05, 0.6)])    # past the grid's edge
-    assert study.chosen_lrs_of([first, later]) == {(32, "sgd"): 0.4, (16, "sgd"): 0.1}
-    assert study.chosen_lrs_of([first, later, edge]) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
-    assert study.chosen_lrs_of([edge, later, first]) == study.chosen_lrs_of([first, later, edge])
-    assert study.chosen_lrs_of([]) is None
+    assert tuning_mod.chosen_lrs_of([first, later], SCALING) == {(32, "sgd"): 0.4, (16, "sgd"): 0.1}
+    assert tuning_mod.chosen_lrs_of([first, later, edge], SCALING) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
+    assert tuning_mod.chosen_lrs_of([edge, later, first], SCALING) == tuning_mod.chosen_lrs_of([first, later, edge], SCALING)
+    assert tuning_mod.chosen_lrs_of([], SCALING) is None
     # a later study's cell at the same batch, optimizer and lr is a re-run (e.g. after a fix): it replaces the
     # earlier one, which no longer counts
     rerun = tuning("rerun", [(32, "sgd", 0.8, 0.5), (32, "sgd", 0.05, 0.72)])
-    assert study.chosen_lrs_of([first, later, edge, rerun]) == {(32, "sgd"): 0.05, (16, "sgd"): 0.1}
-    assert study.chosen_lrs_of([rerun, first, later, edge]) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
+    assert tuning_mod.chosen_lrs_of([first, later, edge, rerun], SCALING) == {(32, "sgd"): 0.05, (16, "sgd"): 0.1}
+    assert tuning_mod.chosen_lrs_of([rerun, first, later, edge], SCALING) == {(32, "sgd"): 0.8, (16, "sgd"): 0.1}
     tiny = ["--optimizers", "sgd", "--epochs", "1", "--nproc-per-node", "1", "--set", "data.dataset=synthetic",
             "--set", "data.synthetic_size=160", "--set", "data.image_size=8", "--set", "model.width=4",
             "--dry-run", "--out", tmp_path / "final"]
@@ -454,8 +474,8 @@ def test_committed_cells_keep_their_numbers_in_compressed_metrics() -> None:
     for name in ("sgd-b64-lr2-s0", "lars-b6144-lr1-s2"):
         run_dir = root / "runs" / name
         assert (run_dir / "metrics.jsonl.gz").is_file() and not (run_dir / "metrics.jsonl").exists()
-        assert study._final_train_loss(run_dir) == cells[name]["train_loss"]
-        assert study._noise_scale(run_dir) == cells[name]["noise_scale"]
+        assert cells_mod.final_train_loss(run_dir) == cells[name]["train_loss"]
+        assert cells_mod.noise_scale(run_dir) == cells[name]["noise_scale"]
 
 
 def test_every_committed_cells_recorded_command_resolves_to_the_config_it_ran_with() -> None:
@@ -489,20 +509,8 @@ def test_every_committed_study_is_re_summarised_from_its_cells_byte_for_byte(pat
     again from its own head and cells is the committed file byte for byte (table, chosen lrs, claims and verdicts),
     and so is its study.md from the table on (the line above it names the machines, which cells finished before
     summary.json named its machine do not record)."""
-    from largebatch.commands import study_variants as sv
-
     data = json.loads(path.read_text())
     meta = {k: v for k, v in data.items() if k not in ("cells", "table", "claims")}
-    cells, kind = data["cells"], data.get("kind", "batch-scaling")
-    split = "validation" if meta.get("val_split") else "test"
-    if kind == "batch-scaling":
-        table = study.summarise(cells)
-        verdicts = study.claims(table)
-        again = {**meta, "cells": cells, "table": table, "claims": verdicts}
-        body = (study.markdown(table, sorted(meta["batches"]), meta["optimizers"], split)
-                + study.claims_markdown(verdicts, split))
-    else:
-        again = {**meta, "cells": cells, "table": sv.summarise(kind, cells)}
-        body = sv.markdown(kind, again["table"], split)
+    again, body = summary_tables(KINDS[data.get("kind", "batch-scaling")], meta, data["cells"])
     assert json.dumps(again, indent=2) == path.read_text()
     assert (path.parent / "study.md").read_text().split("\n\n", 2)[2] == body

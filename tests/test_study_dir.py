@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from largebatch import cli as cli_mod
-from largebatch.commands import study
+from largebatch.commands.study import cells as study_cells
+from largebatch.commands.study import tuning
+from largebatch.commands.study.kinds import KINDS
 from largebatch.commands.chaos import _descendants
 from largebatch.errors import UserError
 
@@ -223,7 +225,7 @@ def test_a_study_reads_a_diverged_cell_from_its_summary_status(tmp_path):
     with pytest.raises(UserError, match="has status 'exploded', not one of finished, diverged"):
         path = out / "runs" / "sgd-b32-lr0.1-s0" / "summary.json"
         path.write_text(json.dumps({**summary, "status": "exploded"}))
-        study.read_summary(path)
+        study_cells.read_summary(path)
 
 
 def _tuning(tmp_path: Path, name: str, row: dict) -> Path:
@@ -239,7 +241,7 @@ def test_a_tuning_table_with_a_string_where_a_number_belongs_is_one_sentence(cli
                              ("bool", {"batch": True}, "has batch True")):
         tuned = _tuning(tmp_path, name, row)
         with pytest.raises(UserError, match="restore that study.json"):
-            study.chosen_lrs_of([tuned])
+            tuning.chosen_lrs_of([tuned], KINDS["batch-scaling"])
         proc = cli("study", "batch-scaling", *TINY, "--epochs", "1", "--from-tuning", tuned, "--dry-run",
                    "--out", tmp_path / "final")
         _refused(proc, f"--from-tuning: {tuned / 'study.json'} ", words)

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from largebatch.cli import ArgumentParser
+from largebatch.commands.study.kinds import KINDS
 from largebatch.errors import UserError
 
-KINDS = ("batch-scaling", "batch-control", "ensemble")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
 _RUN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s+run\s*$")
 
@@ -55,12 +55,9 @@ def parser() -> ArgumentParser:
 
 
 def _study_main(kind: str) -> tuple[Callable[[list[str]], int], ArgumentParser]:
-    from largebatch.commands import study, study_variants
+    from largebatch.commands.study import kinds, runner
 
-    if kind == "batch-scaling":
-        return study.main, study.parser()
-    return (study_variants.main_batch_control if kind == "batch-control" else study_variants.main_ensemble,
-            study_variants.parser(kind))
+    return (lambda argv: runner.run(kind, argv)), kinds.parser(kind)
 
 
 def resolve(name: str) -> Path:
