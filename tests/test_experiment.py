@@ -71,3 +71,47 @@ def test_names_only_and_missing_files(tmp_path, capsys):
     assert names == ["tune", "final"]   # the optional follow-up only when named
     assert [n for n, _, _ in experiment.plan(ROOT / "experiments" / "collapsed_ensemble.yaml", tmp_path,
                                              only=["restarts"])] == ["restarts"]
+
+
+def test_a_study_taken_from_another_file_is_stated_once(tmp_path):
+    """`from: {file, study, out}` takes another file's study whole (its common's settings too), its "{out}" the
+    given out (where that experiment ran), its relative paths that file's; a setting given here replaces its own;
+    this file's common does not apply to it. So experiments/claims.yaml restates nothing of the three files."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "base.yaml").write_text("""
+common: {study: batch-scaling, set: {model.width: 8}, micro_batch: 128}
+studies:
+  - {name: tune, epochs: 8, val_split: 100, lr_grid: {sgd: [0.5]}}
+  - {name: final, epochs: 24, batches: [64, 128], from_tuning: ["{out}/tune", ../elsewhere],
+     set: {schedule.warmup_epochs: 1/12 run}}
+""")
+    path = _write(tmp_path, """
+common: {seeds: 9}
+studies:
+  - {name: again, from: {file: other/base.yaml, study: final, out: ran}, batches: [64], claims_only: true}
+  - {name: here, from: {file: other/base.yaml, study: final}}
+""")
+    (name, kind, argv), (_, _, here) = experiment.plan(path, tmp_path / "out")
+    assert (name, kind) == ("again", "batch-scaling")
+    assert argv == ["--set", "model.width=8", "--set", "schedule.warmup_epochs=2", "--micro-batch", "128",
+                    "--epochs", "24", "--batches", "64", "--from-tuning", str(tmp_path / "ran" / "tune"),
+                    "--from-tuning", str(tmp_path / "other" / ".." / "elsewhere"), "--claims-only",
+                    "--out", str(tmp_path / "out" / "again")]   # its common's set and its own, as its file merges them
+    tunings = [v for f, v in zip(here, here[1:]) if f == "--from-tuning"]
+    assert tunings[0] == str(tmp_path / "out" / "tune") and "--seeds" not in here   # without out: this OUT's
+
+
+@pytest.mark.parametrize("study, words", [
+    ("{name: a, from: other.yaml}", "studies[0].from must be {file: OTHER.yaml, study: NAME}"),
+    ("{name: a, from: {file: other.yaml, study: b, where: x}}", "studies[0].from must be"),
+    ("{name: a, from: {file: missing.yaml, study: b}}", "no experiment file"),
+    ("{name: a, from: {file: other.yaml, study: c}}", "has no study 'c'; its studies: b, d"),
+    ("{name: a, from: {file: other.yaml, study: d}}", "study 'd' of"),
+])
+def test_a_bad_from_is_one_sentence(tmp_path, capsys, study, words):
+    (tmp_path / "other.yaml").write_text("studies: [{name: b, study: ensemble}, "
+                                         "{name: d, from: {file: exp.yaml, study: a}}]\n")
+    path = _write(tmp_path, f"studies: [{study}]")
+    assert cli.main(["study", str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and words in err, err

@@ -16,6 +16,9 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
         from_tuning: ["{out}/tune"]                     # "{out}": this experiment's OUT
       - name: restarts
         optional: true       # run only when named by --only
+      - name: recheck        # another file's study, stated once there: its settings (its common's too), with
+        from: {file: batch_scaling.yaml, study: final, out: ../results/large_batch}   # "{out}" there: out
+        claims_only: true    # a setting given here replaces that study's
 
 1. Read and check the file: one sentence naming the file and the key for anything that is not of this shape, a
    study kind that does not exist, or a setting its study does not take (checked against the study's own flags).
@@ -23,7 +26,8 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
    (warm-up 5/90 run is 1.333 epochs of a 24-epoch study and 0.444 of an 8-epoch tuning), so one protocol
    states its schedule once for every budget; learning rates are per `optim.reference_batch` (256) images.
 3. Paths: a relative path in the file is relative to the file's directory; "{out}/NAME" is inside OUT, as --out
-   gives it.
+   gives it. A study taken `from` another file keeps that file's paths: relative to its directory, and "{out}"
+   there is the `out` given with `from` (relative to this file: where that experiment ran), else this OUT.
 4. Run each study (`largebatch study KIND ... --out OUT/NAME`) in order; --dry-run lists every cell's command
    and trains nothing. The first study that fails stops the experiment with its exit code.
 """
@@ -124,7 +128,7 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
     epochs = entry.get("epochs")
     argv: list[str] = []
     for key, value in entry.items():
-        if key in ("name", "study", "optional"):
+        if key in ("name", "study", "optional", "from"):
             continue
         here = f"{where}.{key}"
         if key in ("out", "dry_run", "help") or key not in flags:
@@ -173,7 +177,8 @@ def _path(text: str, out: Path, base: Path) -> str:
 
 
 def load(path: Path) -> dict:
-    """Step 1: the file as a mapping with a list of studies, each with a unique name."""
+    """Step 1: the file as a mapping with a list of studies, each with a unique name (and a `from` naming a file
+    and a study, and optionally where that file's studies ran)."""
     from largebatch.config import load_yaml
 
     data = load_yaml(path, what="experiment file")
@@ -193,7 +198,46 @@ def load(path: Path) -> dict:
             raise UserError(f"experiment file {path}: studies[{i}].name {entry['name']!r} must be unique and a plain "
                             "directory name (letters, digits, _ . -).")
         names.append(entry["name"])
+        taken = entry.get("from")
+        shape = isinstance(taken, dict) and {"file", "study"} <= set(taken) <= {"file", "study", "out"}
+        if "from" in entry and not (shape and all(isinstance(v, str) and v for v in dict(taken or {}).values())):
+            raise UserError(f"experiment file {path}: studies[{i}].from must be {{file: OTHER.yaml, study: NAME}}, "
+                            f"optionally with out: DIR (where OTHER.yaml's studies ran); got {taken!r}.")
     return data
+
+
+def _rebase(text: str, out: Path | None, base: Path) -> str:
+    """A path of a study taken `from` another file, as this file's study_argv reads it: "{out}/..." inside `out`
+    (None: left to mean this OUT), anything else relative to that file's directory `base`."""
+    if text.startswith("{out}") and out is None:
+        return text
+    return _path(text, out if out is not None else Path(), base)
+
+
+def _taken(entry: dict, path: Path, where: str) -> dict:
+    """Step 1 for `from: {file, study, out}`: that study as its file states it (its common merged in), its paths
+    rebased (`_rebase`), then this entry's settings in place of its own."""
+    ref = entry["from"]
+    other = path.resolve().parent / ref["file"]
+    if not other.is_file():
+        raise UserError(f"{where}.from: no experiment file {other}; give a file beside {path.name} or a path "
+                        "relative to it.")
+    data = load(other)
+    found = next((e for e in data["studies"] if e["name"] == ref["study"]), None)
+    if found is None:
+        raise UserError(f"{where}.from: {other} has no study {ref['study']!r}; its studies: "
+                        f"{', '.join(e['name'] for e in data['studies'])}.")
+    if "from" in found:
+        raise UserError(f"{where}.from: study {ref['study']!r} of {other} is itself taken from another file; "
+                        "take that one instead.")
+    study = _merge(data.get("common") or {}, found)
+    ran = path.resolve().parent / ref["out"] if "out" in ref else None
+    if "from_tuning" in study:
+        tunings = study["from_tuning"]
+        rebased = [_rebase(str(t), ran, other.parent) for t in (tunings if isinstance(tunings, list) else [tunings])]
+        study["from_tuning"] = rebased if isinstance(tunings, list) else rebased[0]
+    own = {k: v for k, v in entry.items() if k != "from"}
+    return {**{k: v for k, v in study.items() if k not in ("name", "optional")}, **own}
 
 
 def plan(path: Path, out: Path, only: list[str] | None = None) -> list[tuple[str, str, list[str]]]:
@@ -209,8 +253,9 @@ def plan(path: Path, out: Path, only: list[str] | None = None) -> list[tuple[str
     for i, entry in enumerate(entries):
         if (only and entry["name"] not in only) or (not only and entry.get("optional")):
             continue
-        merged = _merge(data.get("common") or {}, entry)
-        kind, argv = study_argv(merged, out, path.resolve().parent, f"{path}: studies[{i}] ({entry['name']})")
+        where = f"{path}: studies[{i}] ({entry['name']})"
+        merged = _taken(entry, path, where) if "from" in entry else _merge(data.get("common") or {}, entry)
+        kind, argv = study_argv(merged, out, path.resolve().parent, where)
         out_list.append((entry["name"], kind, argv + ["--out", str(out / entry["name"])]))
     return out_list
 
