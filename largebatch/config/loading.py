@@ -21,6 +21,7 @@ from largebatch.config.checks import validate
 from largebatch.config.fields import _coerce, _is_number, _suggest
 from largebatch.config.schema import SECTIONS, BatchConfig, Config
 from largebatch.errors import UserError
+from largebatch.schedule import batch_phases
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent.parent / "recipes"
 
@@ -57,8 +58,8 @@ def from_dict(data: dict, recipe: str = "custom", saved: bool = False) -> Config
                             f"valid sections: {', '.join(SECTIONS)}.")
     sections = {name: _section_from_dict(name, cls, data.get(name)) for name, cls in SECTIONS.items()}
     cfg = Config(**sections, recipe=recipe)
-    _start_batch(cfg.batch)
     validate(cfg)
+    _start_batch(cfg.batch)
     return cfg
 
 
@@ -66,7 +67,7 @@ def _start_batch(batch: BatchConfig) -> None:
     """With batch.phases, batch.global_batch is the batch the run starts with (the first phase's, by start
     epoch), for whoever reads it (the dry run, memory, the messages); a recipe gives one or the other."""
     if batch.phases:
-        batch.global_batch = min(batch.phases, key=lambda p: p.start_epoch).global_batch
+        batch.global_batch = batch_phases(batch)[0].global_batch
 
 
 def list_recipes() -> list[str]:
