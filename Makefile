@@ -81,7 +81,7 @@ test-eco: setup-eco
 # golden losses, without subprocesses or process groups (those tests are marked slow); make test runs everything.
 FAST_TESTS := tests/test_optim.py tests/test_step_sync.py tests/test_golden_losses.py tests/test_schedule.py \
               tests/test_config.py tests/test_layers.py tests/test_models.py tests/test_comm_units.py \
-              tests/test_gpu_jpeg.py tests/test_noise_scale.py tests/test_scoring.py tests/test_data.py \
+              tests/test_gpu_jpeg.py tests/test_noise_scale.py tests/test_evaluation.py tests/test_data.py \
               tests/test_data_imagefolder.py tests/test_experiment.py tests/test_chaos.py \
               tests/test_graph_harness.py tests/test_device_contracts.py tests/test_launches.py tests/test_memory.py \
               tests/test_imagenet_layouts.py

@@ -20,7 +20,7 @@ from largebatch.errors import UserError, describe_os_error, report
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("largebatch.commands.train", "train a model with a recipe (one process or many)"),
     "evaluate": ("largebatch.commands.evaluate", "re-evaluate a finished run from its checkpoints or snapshots"),
-    "config": ("largebatch.commands.keys", "every config key: type, default, bounds, doc (and a recipe's values)"),
+    "config": ("largebatch.commands.config", "every config key: type, default, bounds, doc (and a recipe's values)"),
     "plan": ("largebatch.commands.plan", "predict step time, scaling efficiency, time-to-train and cost"),
     "bench train": ("largebatch.commands.bench.train", "training images/s: largebatch against a plain PyTorch loop"),
     "bench data": ("largebatch.commands.bench.data", "data pipeline images/s: largebatch against plain Pillow"),

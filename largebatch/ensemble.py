@@ -10,7 +10,7 @@ this module holds what happens to the weights:
    All snapshots are kept in RUN_DIR/snapshots (checkpoint.save: atomic, checksummed). A file there that is
    not a snapshot of this run's model (a foreign or malicious file, loaded with weights_only=True: no code
    runs) is one sentence naming it, before any evaluation (`load_states`, `evaluate_run`).
-3. Evaluation with `largebatch.scoring` (each rank its contiguous shard of the test set, every
+3. Evaluation with `largebatch.evaluation` (each rank its contiguous shard of the test set, every
    image exactly once): for every snapshot, the softmax of its logits on the rank's shard;
    per-snapshot top-1/top-5/NLL, and the ensemble's from the running average of the softmax
    outputs, p_ens = (1/K) sum_k softmax(f_k(x)). One all-reduce of all counts.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from largebatch import checkpoint, scoring
+from largebatch import checkpoint, evaluation
 from largebatch.errors import UserError
 
 SNAPSHOT_DIR = "snapshots"
@@ -69,7 +69,7 @@ def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: to
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax outputs (float32, on `device`) and labels of this rank's contiguous test shard; with `flip`, of
     the logits averaged over each image and its mirror (train.eval_flip, as the run's own evaluation)."""
-    parts = list(scoring.shard_log_probs(model, source, rank, world_size, device, precision=precision,
+    parts = list(evaluation.shard_log_probs(model, source, rank, world_size, device, precision=precision,
                                          channels_last=channels_last, flip=flip, batch=batch))
     if not parts:
         return torch.zeros(0, 0, device=device), torch.zeros(0, dtype=torch.int64, device=device)
@@ -77,7 +77,7 @@ def shard_probs(model: nn.Module, source, rank: int, world_size: int, device: to
 
 
 def _counts(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return scoring.counts(probs.clamp_min(1e-12).log(), labels)
+    return evaluation.counts(probs.clamp_min(1e-12).log(), labels)
 
 
 @torch.no_grad()
@@ -111,10 +111,10 @@ def evaluate_snapshots(model: nn.Module, states: list[dict], test_source, rank: 
         probs, labels = shard_probs(work, test_source, rank, world_size, device, precision=precision,
                                     channels_last=channels_last, flip=flip, batch=batch)
         rows.append(_counts(probs, labels))
-    table = scoring.reduce_rows(torch.stack(rows), world_size)   # one collective for every member's counts
-    out: dict[str, Any] = {"snapshots": [scoring.as_metrics(r) for r in table[:len(states)]],
-                           "ensemble": scoring.as_metrics(table[len(states)])}
-    out["swa"] = scoring.as_metrics(table[len(states) + 1]) if swa_source is not None else None
+    table = evaluation.reduce_rows(torch.stack(rows), world_size)   # one collective for every member's counts
+    out: dict[str, Any] = {"snapshots": [evaluation.as_metrics(r) for r in table[:len(states)]],
+                           "ensemble": evaluation.as_metrics(table[len(states)])}
+    out["swa"] = evaluation.as_metrics(table[len(states) + 1]) if swa_source is not None else None
     return out
 
 
@@ -135,7 +135,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
                  precision: str, world_size: int) -> None:
     """BN running statistics of `model` from scratch: cumulative average over the given training
     batches in train mode, then the mean over ranks (all ranks must call it)."""
-    from largebatch.layout import autocast, to_model_layout
+    from largebatch.placement import autocast, to_model_layout
 
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
@@ -151,7 +151,7 @@ def recompute_bn(model: nn.Module, source, index_batches: list, device: torch.de
             model(x)
     for m, momentum in zip(bns, momenta):
         m.momentum = momentum
-    scoring.average_buffers([b for m in bns for b in (m.running_mean, m.running_var) if b is not None], world_size)
+    evaluation.average_buffers([b for m in bns for b in (m.running_mean, m.running_var) if b is not None], world_size)
     model.eval()
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from largebatch.errors import UserError
-from largebatch.layout import autocast, resize_batch, to_model_layout
+from largebatch.placement import autocast, resize_batch, to_model_layout
 from largebatch.optim import update_ema
 from largebatch.progress import Progress
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, graph, memory, metrics as metrics_mod, reliability, rundir, scoring
+from largebatch import checkpoint, dist as dist_mod, ensemble, graph, memory, metrics as metrics_mod, reliability, rundir, evaluation
 from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
 from largebatch.data.info import check_classes
 from largebatch.errors import UserError
-from largebatch.layout import prefetch, use_channels_last
+from largebatch.placement import prefetch, use_channels_last
 from largebatch.models.classifier import build_classifier
 from largebatch.noise_scale import NoiseScale
 from largebatch.progress import LogWindow, Progress
@@ -259,7 +259,7 @@ class Trainer:
     def _sync_buffers(self) -> None:
         """Average BN running statistics across workers (they are per worker during training)."""
         if self.info.distributed:
-            scoring.average_buffers([b for b in self.model.buffers() if b.is_floating_point()], self.info.world_size)
+            evaluation.average_buffers([b for b in self.model.buffers() if b.is_floating_point()], self.info.world_size)
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict:
@@ -399,7 +399,7 @@ class Trainer:
         model = self.ema.module if self.ema is not None else self.model
         with self._guard("evaluation"):
             self._sync_buffers()
-            result = scoring.evaluate(model, self.test_data, self.info, self.device, precision=self.cfg.train.precision,
+            result = evaluation.evaluate(model, self.test_data, self.info, self.device, precision=self.cfg.train.precision,
                                       channels_last=self.channels_last, flip=self.cfg.train.eval_flip,
                                       batch=max(256, self.plan.phase_at(max(self.step - 1, 0)).micro_batch))
         self.progress.best_top1 = max(self.progress.best_top1, result["top1"])

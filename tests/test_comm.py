@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from largebatch import comm
-from largebatch.algorithms import DEFAULT_IMPL, TWO_LEVEL
+from largebatch.comm.options import DEFAULT_IMPL, TWO_LEVEL
 from largebatch.dist import end_process
 from largebatch.errors import UserError
 

@@ -233,9 +233,10 @@ def test_a_comm_config_section_is_the_hook_options() -> None:
 
 
 def test_one_table_of_comm_options() -> None:
-    """largebatch.algorithms.OPTIONS is the one list: the config section's option keys, the hook state's fields
+    """largebatch.comm.options.OPTIONS is the one list: the config section's option keys, the hook state's fields
     and dispatch's per-algorithm defaults all come from it."""
-    from largebatch import algorithms, comm, config
+    from largebatch import comm, config
+    from largebatch.comm import options as algorithms
     from largebatch.comm.hook import CommHookState
 
     own = {"algorithm", "compression", "bucket_mb", "timeout_s"}
@@ -274,7 +275,7 @@ def test_register_takes_one_state_and_the_pipeline_default_is_said_as_the_code_h
     `pieces_for`, the option's documentation, dispatch's error and docs/communication.md all say."""
     import torch
 
-    from largebatch import algorithms
+    from largebatch.comm import options as algorithms
     from largebatch.comm.pipeline import pieces_for
 
     for wrong in ("ring", CommHookState):

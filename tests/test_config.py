@@ -202,10 +202,10 @@ def test_config_reference_page_is_generated():
     dataclasses. After changing a key, regenerate it with `largebatch config --markdown > docs/config.md`."""
     from pathlib import Path
 
-    from largebatch.commands import keys
+    from largebatch.commands import config as config_command
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
-    assert page == keys.markdown(), "docs/config.md is stale: run `largebatch config --markdown > docs/config.md`"
+    assert page == config_command.markdown(), "docs/config.md is stale: run `largebatch config --markdown > docs/config.md`"
     rows = config.reference()
     flat = {f"{s}.{k}" for s, sec in config.Config().to_dict().items() if isinstance(sec, dict) for k in sec}
     assert {r.key for r in rows if "[]" not in r.key} == flat   # every key, and nothing else
@@ -253,7 +253,7 @@ def _read_names(exclude: set[str]) -> set[str]:
 
 def test_every_config_key_is_read_somewhere():
     """A key that is accepted must be read: each field name is read as an attribute (or named, for the comm
-    options that the hook reads through largebatch.algorithms.OPTIONS) outside the config package, which only
+    options that the hook reads through largebatch.comm.options.OPTIONS) outside the config package, which only
     declares and checks them. The rule sees a key nobody reads (a made-up name is not found)."""
     read = _read_names({"config"})
     unread = [r.key for r in config.reference() if r.key.split(".")[-1].split("[]")[-1] not in read]

@@ -210,7 +210,7 @@ def test_nccl_at_world_size_1():
 
 def test_pinned_loader_and_non_blocking_copies(tmp_path):
     from largebatch.data import build_data
-    from largebatch.layout import to_model_layout
+    from largebatch.placement import to_model_layout
 
     for split in ("train", "val"):
         for c in range(2):
@@ -275,7 +275,7 @@ def test_a_graph_still_skips_a_nonfinite_step_and_counts_it(tmp_path, monkeypatc
 
 
 def test_prefetch_hands_out_the_sources_batches_on_the_device():
-    from largebatch.layout import prefetch
+    from largebatch.placement import prefetch
 
     g = torch.Generator().manual_seed(0)
     steps = [("phase", [(torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8, generator=g).pin_memory(),

@@ -92,7 +92,7 @@ def test_progressive_resizing():
 
     from largebatch.config import ResolutionPhase
     from largebatch.schedule import resolution_at
-    from largebatch.layout import resize_batch
+    from largebatch.placement import resize_batch
 
     phases = [ResolutionPhase(3, 28), ResolutionPhase(0.5, 20)]
     assert [resolution_at(phases, e) for e in (0, 0.49, 0.5, 2.99, 3, 10)] == [None, None, 20, 20, 28, 28]

@@ -100,7 +100,7 @@ def test_distributed_eval_counts_every_test_image_once(cli, tmp_path):
     assert evals[-1]["count"] == 10000
 
     from largebatch.data import build_data
-    from largebatch.scoring import evaluate
+    from largebatch.evaluation import evaluate
     from largebatch.models.classifier import build_classifier
 
     cfg = config.load(str(run / "config.yaml"))

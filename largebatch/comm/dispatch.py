@@ -18,7 +18,7 @@ import torch.distributed as dist
 from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2d
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of, pieces_default
+from largebatch.comm.options import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of, pieces_default
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -28,10 +28,10 @@ ALGORITHMS: dict[str, Callable[..., None]] = {
     "torus2d": torus2d.allreduce,
     "hierarchical": hierarchical.allreduce,
 }
-# Algorithm-specific options (beyond `compression`) and their defaults: `largebatch.algorithms.OPTIONS`, the one
+# Algorithm-specific options (beyond `compression`) and their defaults: `largebatch.comm.options.OPTIONS`, the one
 # table of them, per algorithm.
 OPTIONS: dict[str, dict[str, Any]] = {name: options_of(name) for name in ALLREDUCE}
-assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.algorithms.ALLREDUCE names every algorithm here"
+assert tuple(ALGORITHMS) == ALLREDUCE, "largebatch.comm.options.ALLREDUCE names every algorithm here"
 
 
 @dataclass(frozen=True)

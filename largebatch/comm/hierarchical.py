@@ -17,7 +17,7 @@ ranks ``mK .. mK+K-1``.
 3. All-gather inside each node (ring).
 
 Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default
-`largebatch.algorithms.PIECES`, see `largebatch.comm.pipeline`), so the in-node steps of one piece
+`largebatch.comm.options.PIECES`, see `largebatch.comm.pipeline`), so the in-node steps of one piece
 overlap the cross-node all-reduce of another.
 
 ``impl="native"`` runs steps 1 and 3 as the backend's ``reduce_scatter_tensor`` and
@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from largebatch import algorithms
-from largebatch.algorithms import DEFAULT_IMPL
+from largebatch.comm import options as algorithms
+from largebatch.comm.options import DEFAULT_IMPL
 from largebatch.comm import composed, halving_doubling, native, ring
 from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
 from largebatch.comm.compression import Codec
@@ -46,7 +46,7 @@ from largebatch.comm.topology import cross_blocks, node_blocks, resolve_local_si
 from largebatch.errors import UserError
 
 INTER = {"halving_doubling": halving_doubling.allreduce, "ring": ring.allreduce, "native": native.allreduce}
-assert tuple(INTER) == algorithms.INTER, "largebatch.algorithms.INTER names every cross-node algorithm here"
+assert tuple(INTER) == algorithms.INTER, "largebatch.comm.options.INTER names every cross-node algorithm here"
 
 
 def setup(group: Optional[dist.ProcessGroup], world: int, local_size: Optional[int], gather: bool = False) -> tuple:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import torch
 import torch.distributed as dist
 
-from largebatch.algorithms import OPTIONS, TWO_LEVEL
+from largebatch.comm.options import OPTIONS, TWO_LEVEL
 from largebatch.comm.dispatch import Spec, mesh_options, resolve, run, setup
 from largebatch.comm.compression import get_codec
 from largebatch.comm.groups import members
@@ -57,7 +57,7 @@ class CommHookState:
     """Validated hook configuration plus (unpicklable) runtime resources.
 
     Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``), ``compression``, ``timeout_s``
-    and the algorithm options of `largebatch.algorithms.OPTIONS` (``grid``, ``local_size``, ``inter``,
+    and the algorithm options of `largebatch.comm.options.OPTIONS` (``grid``, ``local_size``, ``inter``,
     ``impl``, ``pipeline``, ``small_bytes``; None = the default), validated once by `dispatch.resolve`.
     `from_config(section)` builds it from a run's ``comm`` section.
     """

@@ -38,12 +38,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from largebatch.algorithms import PIECES
+from largebatch.comm.options import PIECES
 from largebatch.comm import ring
 from largebatch.comm.chunking import bounds
 from largebatch.comm.compression import Codec
 
-PIECE_BYTES, MAX_PIECES = PIECES["p2p"]                       # the table of defaults: largebatch.algorithms
+PIECE_BYTES, MAX_PIECES = PIECES["p2p"]                       # the table of defaults: largebatch.comm.options
 COMPOSED_PIECE_BYTES, COMPOSED_MAX_PIECES = PIECES["native"]   # work handles: smaller pieces pay (PIECES' note)
 
 _lock = threading.Lock()

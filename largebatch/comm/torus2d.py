@@ -11,7 +11,7 @@ nodes, so rows stay inside a node and only columns cross the network.
 3. All-gather along each row (`ring.all_gather`): every rank ends with the whole sum.
 
 Steps 1-3 run pipelined over pieces of the tensor (``pipeline`` option; default
-`largebatch.algorithms.PIECES`, see `largebatch.comm.pipeline`), so the row steps of one piece overlap
+`largebatch.comm.options.PIECES`, see `largebatch.comm.pipeline`), so the row steps of one piece overlap
 the column all-reduce of another.
 
 ``impl="native"`` runs the same three steps as the backend's own collectives
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from largebatch.algorithms import DEFAULT_IMPL
+from largebatch.comm.options import DEFAULT_IMPL
 from largebatch.comm import composed, ring
 from largebatch.comm.pipeline import composed_pieces, resolve_pieces, two_level
 from largebatch.comm.compression import Codec

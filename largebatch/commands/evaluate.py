@@ -60,8 +60,8 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
     from largebatch import checkpoint, dist as dist_mod, ensemble
     from largebatch.data import build_data
     from largebatch.data.info import check_classes
-    from largebatch.layout import use_channels_last
-    from largebatch.scoring import evaluate
+    from largebatch.placement import use_channels_last
+    from largebatch.evaluation import evaluate
     from largebatch.models.classifier import build_classifier
 
     cfg = load_run_config(run_dir)

@@ -1,5 +1,5 @@
 """The config reference: every key with its type, default, bounds and doc, read from the schema's fields; the one
-source of `largebatch config` and docs/config.md (largebatch/commands/keys.py)."""
+source of `largebatch config` and docs/config.md (largebatch/commands/config.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY, OPTIONS
+from largebatch.comm.options import ALLREDUCE, HOOK_ONLY, OPTIONS
 from largebatch.config.fields import SAYS_IN_BOUNDS, Item, Section, _choices, _doc, _is_number, _required, _suggest
 from largebatch.errors import UserError
 from largebatch.schedule import in_start_order
@@ -326,7 +326,7 @@ class CommConfig(Section):
                               doc="all-reduce of gradient buckets (noop: no communication, for measurement only)")
     compression: str = _choices("none", "fp16", "bf16", doc="wire format of gradients")
     bucket_mb: float = _doc(25.0, "DDP bucket size in MB (tensor fusion)", bounds="> 0")
-    # The algorithm options: documented once, in largebatch.algorithms.OPTIONS (a test holds these are its keys)
+    # The algorithm options: documented once, in largebatch.comm.options.OPTIONS (a test holds these are its keys)
     grid: Optional[str] = _doc(None, OPTIONS["grid"].doc)
     pipeline: Optional[int] = _doc(None, OPTIONS["pipeline"].doc, bounds="> 0")
     impl: Optional[str] = _doc(None, OPTIONS["impl"].doc)

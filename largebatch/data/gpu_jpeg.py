@@ -6,7 +6,7 @@
    (CMYK or YCCK JPEGs, other formats) is decoded there by the CPU path and travels as finished pixels; a
    file whose header cannot be read is corrupt (`data.on_corrupt`), as on the CPU path.
 2. Decode (the training process, GPU), one batched call, its results ready in the order of the stream current
-   at the call (the batch's stream: `layout.prefetch`'s side stream in training), with no host sync of ours:
+   at the call (the batch's stream: `placement.prefetch`'s side stream in training), with no host sync of ours:
    with nvImageCodec (`data.gpu_decoder` nvimgcodec, the `nvidia-nvimgcodec-cu13` wheel; its JPEG back-ends
    need libnvjpeg, the `nvidia-nvjpeg` 13.x wheel) only each image's crop window is decoded, by its GPU
    back-ends alone (the GPU's hardware JPEG decoder where it has one, else nvJPEG's CUDA decoder; never its

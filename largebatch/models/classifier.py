@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from largebatch.errors import UserError
-from largebatch.layout import NARROW_CHANNELS, cpu_channels_last_hazard
+from largebatch.placement import NARROW_CHANNELS, cpu_channels_last_hazard
 
 if TYPE_CHECKING:
     from largebatch.config import ModelConfig

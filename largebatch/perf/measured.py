@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 from largebatch.comm.pipeline import pieces_for
 from largebatch.comm.topology import parse_grid
-from largebatch.algorithms import DEFAULT_IMPL, TWO_LEVEL
+from largebatch.comm.options import DEFAULT_IMPL, TWO_LEVEL
 from largebatch.perf.catalog import Link
 from largebatch.perf.topology import Topology
 

@@ -45,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from largebatch.algorithms import ALLREDUCE, MODEL_ONLY
+from largebatch.comm.options import ALLREDUCE, MODEL_ONLY
 from largebatch.errors import UserError
 from largebatch.perf import halving_doubling, hierarchical, ring, torus2d, tree
 from largebatch.perf.catalog import DEFAULT_STACK, Device, default_stack, get_device, get_link, stack_factor

@@ -45,12 +45,12 @@ import torch
 import torch.distributed as dist
 
 from largebatch import comm
-from largebatch.algorithms import pieces_default
+from largebatch.comm.options import pieces_default
 from largebatch.commands.bench import machine
 from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser, check_numbers, check_output_path
 from largebatch.perf import measured as cost
-from largebatch.algorithms import ALLREDUCE, DEFAULT_IMPL, IMPLS, TWO_LEVEL
+from largebatch.comm.options import ALLREDUCE, DEFAULT_IMPL, IMPLS, TWO_LEVEL
 from largebatch.errors import UserError
 
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -28,7 +28,7 @@ import torch
 from largebatch.commands.bench import machine
 from largebatch.checkpoint import atomic_write
 from largebatch.cli import ArgumentParser
-from largebatch.algorithms import ALLREDUCE, HOOK_ONLY
+from largebatch.comm.options import ALLREDUCE, HOOK_ONLY
 from largebatch.errors import UserError
 from largebatch.metrics import read
 

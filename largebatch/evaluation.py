@@ -29,7 +29,7 @@ def shard_log_probs(model: nn.Module, source, rank: int, world_size: int, device
                     batch: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Steps 1-2: (float32 log-probabilities, labels) per batch of this rank's shard, on `device`."""
     from largebatch.data.sampler import eval_shard
-    from largebatch.layout import autocast, to_model_layout
+    from largebatch.placement import autocast, to_model_layout
 
     model.eval()
     idx = eval_shard(len(source), rank, world_size)

@@ -1,4 +1,4 @@
-"""largebatch.scoring: the one evaluation of the trainer, `largebatch evaluate` and the Collapsed Ensemble.
+"""largebatch.evaluation: the one evaluation of the trainer, `largebatch evaluate` and the Collapsed Ensemble.
 Counts on hand-made scores, sharded evaluation on 2 gloo processes equal to 1 process, the BN-buffer
 average over ranks, and the ensemble of one snapshot scoring as that model does."""
 import datetime
@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from largebatch import ensemble, scoring
+from largebatch import ensemble, evaluation
 from largebatch.dist import DistInfo, end_process
 from largebatch.launch import free_port
 
@@ -39,18 +39,18 @@ def tiny_model(classes: int = 7) -> nn.Module:
 def test_counts_on_hand_made_scores():
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.5, 0.4, 0.1]])
     labels = torch.tensor([0, 1, 2])
-    c = scoring.counts(probs.log(), labels).tolist()
+    c = evaluation.counts(probs.log(), labels).tolist()
     # top-1 hits: row 0 only; top-5 (here all 3 classes): every row
     assert c[:2] == [1.0, 3.0] and c[3] == 3.0
     assert c[2] == pytest.approx(-(math.log(0.7) + math.log(0.3) + math.log(0.1)))
-    assert scoring.as_metrics(c)["top1"] == pytest.approx(1 / 3)
-    assert scoring.counts(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64)).tolist() == [0.0] * 4
+    assert evaluation.as_metrics(c)["top1"] == pytest.approx(1 / 3)
+    assert evaluation.counts(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64)).tolist() == [0.0] * 4
 
 
 def test_flip_averages_the_logits_of_the_mirror():
     model, source = tiny_model(), TinySource()
-    plain = torch.cat([lp for lp, _ in scoring.shard_log_probs(model, source, 0, 1, torch.device("cpu"))])
-    flipped = torch.cat([lp for lp, _ in scoring.shard_log_probs(model, source, 0, 1, torch.device("cpu"), flip=True)])
+    plain = torch.cat([lp for lp, _ in evaluation.shard_log_probs(model, source, 0, 1, torch.device("cpu"))])
+    flipped = torch.cat([lp for lp, _ in evaluation.shard_log_probs(model, source, 0, 1, torch.device("cpu"), flip=True)])
     model.eval()
     with torch.no_grad():
         want = ((model(source.x) + model(source.x.flip(3))) / 2).log_softmax(1)
@@ -59,7 +59,7 @@ def test_flip_averages_the_logits_of_the_mirror():
 
 def test_one_snapshot_ensemble_scores_as_the_model():
     model, source = tiny_model(), TinySource()
-    single = scoring.evaluate(model, source, DistInfo(), torch.device("cpu"), batch=16)
+    single = evaluation.evaluate(model, source, DistInfo(), torch.device("cpu"), batch=16)
     res = ensemble.evaluate_snapshots(model, [model.state_dict()], source, 0, 1, torch.device("cpu"), batch=16)
     for member in (res["snapshots"][0], res["ensemble"]):
         assert member["count"] == single["count"] == 101
@@ -73,10 +73,10 @@ def _two_ranks(rank: int, port: int, out) -> None:
     try:
         torch.set_num_threads(1)
         model, source = tiny_model(), TinySource()
-        res = scoring.evaluate(model, source, DistInfo(rank=rank, world_size=2),
+        res = evaluation.evaluate(model, source, DistInfo(rank=rank, world_size=2),
                                torch.device("cpu"), batch=16)
         buf = torch.full((3,), float(rank + 1))
-        scoring.average_buffers([buf], 2)
+        evaluation.average_buffers([buf], 2)
         out.put((rank, res, buf.tolist()))
         out.close()
         out.join_thread()   # the result is in the pipe before the exit below
@@ -97,7 +97,7 @@ def test_two_processes_count_every_image_once_and_average_buffers():
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    single = scoring.evaluate(tiny_model(), TinySource(), DistInfo(), torch.device("cpu"), batch=16)
+    single = evaluation.evaluate(tiny_model(), TinySource(), DistInfo(), torch.device("cpu"), batch=16)
     for rank in (0, 1):
         res, buf = got[rank]
         assert res["count"] == 101 and res["top1"] == single["top1"]

@@ -1,7 +1,7 @@
 """`largebatch config [PREFIX ...] [--recipe RECIPE] [--set section.key=value ...] [--markdown]`
 
 Every config key with its type, default, bounds and what it does, read from the dataclasses of
-largebatch/config.py (`config.reference()`, the one source of docs/config.md too):
+largebatch/config/ (`config.reference()`, the one source of docs/config.md too):
 
 1. PREFIX (a section such as ``optim``, or a key such as ``comm.pipeline``) keeps the keys that start with
    it; one that matches no key is one sentence with the closest section or key.
@@ -41,11 +41,11 @@ def markdown() -> str:
 
     lines = [f"# {TITLE}", "",
              "Every key a recipe (`recipes/*.yaml`) or `--set section.key=value` can set, generated from the "
-             "dataclasses of `largebatch/config.py` by `largebatch config --markdown > docs/config.md` (a test "
+             "dataclasses of `largebatch/config/schema.py` by `largebatch config --markdown > docs/config.md` (a test "
              "holds this page equal to it). An unknown section or key, a value of the wrong type or outside its "
              "bounds is one sentence naming the key and the fix. `largebatch config PREFIX --recipe NAME` shows "
              "the keys with their values in a recipe. Keys of the comm algorithms come from one table, "
-             "`largebatch.algorithms.OPTIONS`; setting one that the chosen `comm.algorithm` does not read is "
+             "`largebatch.comm.options.OPTIONS`; setting one that the chosen `comm.algorithm` does not read is "
              "an error.", ""]
     section = None
     for row in config.reference():
