@@ -19,6 +19,7 @@ from largebatch.comm import halving_doubling, hierarchical, native, ring, torus2
 from largebatch.comm.compression import WIRE_DTYPES, get_codec
 from largebatch.comm.groups import members
 from largebatch.comm.options import ALLREDUCE, HOOK_ONLY, IMPLS, TWO_LEVEL, options_of, pieces_default
+from largebatch.comm.options import OPTIONS as TABLE
 from largebatch.errors import UserError
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -43,8 +44,9 @@ class Spec:
     options: tuple[tuple[str, Any], ...] = ()
 
 
-def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -> Spec:
-    """Validate ``algorithm`` and ``options`` into a `Spec`; mistakes are UserErrors."""
+def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False, prefix: str = "") -> Spec:
+    """Validate ``algorithm`` and ``options`` into a `Spec`; mistakes are UserErrors. ``prefix``: how a sentence
+    names the options ("comm." for a run's config section, whose keys they are)."""
     names = list(ALGORITHMS) + (list(HOOK_ONLY) if allow_noop else [])
     if algorithm not in names:
         raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose one of: {', '.join(names)}.")
@@ -57,6 +59,10 @@ def resolve(algorithm: str, options: dict[str, Any], allow_noop: bool = False) -
         raise UserError(f"unknown compression {compression!r}; choose one of: {', '.join(WIRE_DTYPES)}.")
     valid = OPTIONS.get(algorithm, {})
     unknown = sorted(set(options) - set(valid))
+    if unknown and prefix and unknown[0] in TABLE:
+        readers = TABLE[unknown[0]].algorithms
+        raise UserError(f"{prefix}{unknown[0]} is set but {prefix}algorithm {algorithm} does not use it; remove it, "
+                        f"or choose an algorithm that does ({', '.join(readers)}).")
     if unknown:
         raise UserError(f"option(s) {', '.join(unknown)} do not apply to algorithm {algorithm}; "
                         f"its options: {', '.join(['compression', *valid])}.")

@@ -58,7 +58,7 @@ class CommHookState:
 
     Fields: ``algorithm`` (one of `largebatch.comm.ALGORITHMS` or ``noop``), ``compression``, ``timeout_s``
     and the algorithm options of `largebatch.comm.options.OPTIONS` (``grid``, ``local_size``, ``inter``,
-    ``impl``, ``pipeline``, ``small_bytes``; None = the default), validated once by `dispatch.resolve`.
+    ``impl``, ``pipeline``, ``small_bytes``; None = the default), validated once by `check_options`.
     `from_config(section)` builds it from a run's ``comm`` section.
     """
 
@@ -73,8 +73,7 @@ class CommHookState:
         if mesh is not None and algorithm in TWO_LEVEL:   # the layout it stands for, kept as a field (not the mesh)
             options.update(mesh_options(algorithm, mesh, options))
             mesh = None
-        self.spec: Spec = resolve(algorithm, {"compression": compression, **options, "mesh": mesh}, allow_noop=True)
-        check_hook(self.spec, options)
+        self.spec: Spec = check_options(algorithm, compression, {**options, "mesh": mesh})
         self.algorithm, self.compression, self.timeout_s = algorithm, compression, timeout_s
         self.options: dict[str, Any] = {name: options.get(name) for name in OPTIONS}   # as given, None = default
         self._reset_runtime()
@@ -241,6 +240,15 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if state.chained:
         return state.submit_chained(buffer)
     return state.submit(buffer)
+
+
+def check_options(algorithm: str, compression: str, options: dict[str, Any], prefix: str = "") -> Spec:
+    """The one validation of a hook's algorithm and options (`CommHookState` and a run's ``comm`` section both
+    call it): `dispatch.resolve`, then the hook's own rule (`check_hook`). ``prefix``: how the sentences name
+    the options ("comm." for the config section)."""
+    spec = resolve(algorithm, {"compression": compression, **options}, allow_noop=True, prefix=prefix)
+    check_hook(spec, options, prefix)
+    return spec
 
 
 def check_hook(spec: Spec, given: dict[str, Any], prefix: str = "") -> None:

@@ -339,19 +339,13 @@ class CommConfig(Section):
                                  "no collective completes in under a second.")
 
     def validate(self) -> None:
-        """Also the checks the comm hook makes (`comm.dispatch.resolve`), so that a run of any world size, and
-        --dry-run, refuses an option the algorithm does not read; the layout that needs the world size waits."""
+        """The comm hook's own validation (`comm.hook.check_options`, the one place), so that a run of any world
+        size, and --dry-run, refuses an option the algorithm does not read; the layout that needs the world size
+        waits."""
         super().validate()
-        from largebatch.comm.dispatch import resolve
-        from largebatch.comm.hook import check_hook
+        from largebatch.comm.hook import check_options
 
-        options = {name: getattr(self, name) for name in OPTIONS}
-        for key, value in options.items():
-            if value is not None and self.algorithm not in OPTIONS[key].algorithms:
-                raise UserError(f"comm.{key} is set but comm.algorithm {self.algorithm} does not use it; remove it, "
-                                f"or choose an algorithm that does ({', '.join(OPTIONS[key].algorithms)}).")
-        check_hook(resolve(self.algorithm, {"compression": self.compression, **options}, allow_noop=True), options,
-                   "comm.")
+        check_options(self.algorithm, self.compression, {name: getattr(self, name) for name in OPTIONS}, "comm.")
 
 
 @dataclass
