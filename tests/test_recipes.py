@@ -144,12 +144,14 @@ def test_the_released_schedule_study_scales_the_recipe_to_the_budget():
     own base run and segments scaled to --epochs, the single model is the base form for all of them; both plan."""
     import yaml
 
-    from largebatch.commands import experiment, study_variants
+    from largebatch.commands import experiment
+    from largebatch.commands.study.kinds import parser
+    from largebatch.commands.study.plan import variants
 
-    args = study_variants.parser("ensemble").parse_args(
+    args = parser("ensemble").parse_args(
         ["--recipe", "fashion_mnist_collapsed_released", "--own-schedule", "--epochs", "24", "--batch", "192",
          "--set", "model.width=8"])
-    plan = study_variants.variants("ensemble", args)
+    plan = variants("ensemble", args)
     single = config_mod.load(args.recipe, list(args.overrides) + plan["single"] + ["data.train_size=60000"])
     ens = config_mod.load(args.recipe, list(args.overrides) + plan["ensemble"] + ["data.train_size=60000"])
     assert single.schedule.epochs == 24 and not single.ensemble.segments and single.schedule.decay_epochs is None
@@ -158,6 +160,6 @@ def test_the_released_schedule_study_scales_the_recipe_to_the_budget():
     assert [g.collapse for g in ens.ensemble.segments] == [False, False, False, True]
     assert dry_run(ens, 2)["epochs"] == pytest.approx(24, abs=0.01) and len(dry_run(ens, 2)["ensemble"]) == 5
     with pytest.raises(config_mod.UserError, match="--own-schedule takes the recipe's ensemble.segments"):
-        study_variants.variants("ensemble", study_variants.parser("ensemble").parse_args(["--own-schedule"]))
+        variants("ensemble", parser("ensemble").parse_args(["--own-schedule"]))
     spec = yaml.safe_load(experiment.resolve("collapsed_released").read_text())
     assert spec["common"]["own_schedule"] is True and spec["common"]["recipe"] == "fashion_mnist_collapsed_released"
