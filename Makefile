@@ -67,27 +67,21 @@ $(ECO_STAMP): pyproject.toml
 	  torch.utils.serialization, rich.emoji, runpy; runpy.run_path('scripts/warm_bytecode.py')"
 	touch $(ECO_STAMP)
 
-# In that environment: the tests of timm:/torchvision: models (marked library) and the oracles (tests/test_oracles.py:
+# In that environment: the tests of timm:/torchvision: models (marked library) and the oracles (tests/unit/test_oracles.py:
 # largebatch's ResNets against torchvision's, LARS/LAMB against timm's, the JPEG crop against torchvision's).
 # LARGEBATCH_REQUIRE_LIBRARIES=1 turns their skip where timm or torchvision does not import into a failure.
 # 17 tests, 2 min 40-50 s on 2 workers beside another job using both cores (2 min of CPU; most of it the 11
 # `largebatch` processes of the library tests, each importing torch, torchvision and timm).
-ECO_TESTS ?= tests/test_any_model.py tests/test_oracles.py
+ECO_TESTS ?= tests/integration/test_any_model.py tests/unit/test_oracles.py
 ECO_WORKERS ?= 2
 test-eco: setup-eco
 	LARGEBATCH_REQUIRE_LIBRARIES=1 $(ECO_PY) -m pytest -p no:cacheprovider -n $(ECO_WORKERS) -m "library or oracle" $(ECO_TESTS)
 
-# The fast tier while changing code: unit tests of the step, optimizers, schedule, config, models, data and the
-# golden losses, without subprocesses or process groups (those tests are marked slow); make test runs everything.
-FAST_TESTS := tests/test_optim.py tests/test_step_sync.py tests/test_golden_losses.py tests/test_schedule.py \
-              tests/test_config.py tests/test_layers.py tests/test_models.py tests/test_comm_units.py \
-              tests/test_gpu_jpeg.py tests/test_noise_scale.py tests/test_evaluation.py tests/test_data.py \
-              tests/test_data_imagefolder.py tests/test_experiment.py tests/test_chaos.py \
-              tests/test_graph_harness.py tests/test_device_contracts.py tests/test_launches.py tests/test_memory.py \
-              tests/test_imagenet_layouts.py
+# The tiers are folders (tests/unit/conftest.py refuses a process or a process group there): the unit tier while
+# changing code, then make test for everything (tests/integration/: real processes, process groups, studies).
 test-fast: setup
 	$(VENV)/bin/ruff check largebatch tests scripts
-	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 clean-runs:
 	rm -rf runs

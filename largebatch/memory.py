@@ -10,7 +10,7 @@
    between batches of 4 and 2 (what is saved once, such as weight copies, cancels); plus the backward's working
    set (the gradients of the largest saved activation's layer output and input, alive at once), the input
    batch (uint8) and its normalised fp32 copy. ResNet-50 at 224 px in fp32 on the CPU: 91.6 MiB per image
-   estimated, 94.1 MiB measured once (peak RSS from 4 to 12 images); tests/test_memory.py checks 128 px.
+   estimated, 94.1 MiB measured once (peak RSS from 4 to 12 images); tests/unit/test_memory.py checks 128 px.
 3. Margin: 10% of the device's memory and 1 GiB on CUDA (the CUDA context, cuDNN's workspace, the allocator's
    fragmentation); 20% on the CPU (the framework itself and the loader's buffers).
 4. The device's memory: CUDA's total (torch.cuda.get_device_properties), shared by the workers on it; the

@@ -14,8 +14,8 @@ throughput   `largebatch bench train` of ResNet-50 at 224 px with LARS and label
              timm,torchvision); MFU against the bf16 matmul peak measured in that run; MLPerf Training v4.0's
              7,951 img/s per H200 as the reference line, and NVIDIA's 2,470 img/s on an A100 scaled by the
              measured bf16 peak over the A100's 312 TFLOP/s.
-cuda_tests   `pytest -m cuda tests/test_cuda.py -k 'graph or prefetch or decode or gpu_cache or lars'`.
-more_tests   the other CUDA tests and `-m library` tests/test_any_model.py (timm:/torchvision: models).
+cuda_tests   `pytest -m cuda tests/integration/test_cuda.py -k 'graph or prefetch or decode or gpu_cache or lars'`.
+more_tests   the other CUDA tests and `-m library` tests/integration/test_any_model.py (timm:/torchvision: models).
 data         `largebatch bench data` at 224 px, 6 loader workers, decoding on the CPU and on the GPU
              (GPU_CHECK_DECODE, e.g. cpu,gpu:nvimgcodec,gpu:torchvision), on a generated ImageFolder of
              500x375 JPEGs; does the loader keep up with the model's images/s from throughput?
@@ -36,7 +36,7 @@ gpu_check.sh. The JPEG tree, the bench JSONs and the training run go to --scratc
 default /tmp/largebatch-gpu-check).
 
 --mode cpu runs the same sequence with tiny sizes (a width-8 ResNet-18 at 32 px), so the script keeps
-working between GPU loans; the suite runs it (tests/test_gpu_check.py).
+working between GPU loans; the suite runs it (tests/integration/test_gpu_check.py).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ SIZES = {
                       "--set", "data.loader_workers=0", "--set", "train.device=cpu", "--set", "train.threads=1"]},
 }
 
-# GPU_CHECK_STALL=STEP (for tests/test_gpu_check.py): the step first runs this, which prints two lines, starts a
+# GPU_CHECK_STALL=STEP (for tests/integration/test_gpu_check.py): the step first runs this, which prints two lines, starts a
 # child and waits for an hour, so the deadline must kill the process group and keep the partial log
 STALL = ("import os, subprocess, sys, time\n"
          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
@@ -427,10 +427,10 @@ def main() -> int:
             raise RuntimeError(f"pytest: {rec['summary']}")
 
     def cuda_tests(rec: dict) -> None:
-        pytest_step(rec, ["tests/test_cuda.py"], "cuda", TESTS_K)
+        pytest_step(rec, ["tests/integration/test_cuda.py"], "cuda", TESTS_K)
 
     def more_tests(rec: dict) -> None:
-        pytest_step(rec, ["tests/test_cuda.py", "tests/test_any_model.py"], "cuda or library",
+        pytest_step(rec, ["tests/integration/test_cuda.py", "tests/integration/test_any_model.py"], "cuda or library",
                     f"test_any_model or not ({TESTS_K})")
 
     def data(rec: dict) -> None:

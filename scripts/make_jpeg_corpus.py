@@ -1,6 +1,6 @@
 """Write tests/assets/jpeg_corpus/: small valid JPEGs of the kinds a GPU JPEG decoder (nvJPEG, nvImageCodec) may
 reject although the CPU path (libjpeg-turbo via simplejpeg, Pillow for CMYK/YCCK and other formats) decodes them,
-plus a PNG named .jpg and a truncated JPEG. tests/test_gpu_jpeg.py runs every file through both paths.
+plus a PNG named .jpg and a truncated JPEG. tests/unit/test_gpu_jpeg.py runs every file through both paths.
 
     .venv/bin/python scripts/make_jpeg_corpus.py     # rewrites the folder (the committed files are the reference)
 

@@ -77,3 +77,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+UNIT = ROOT / "tests" / "unit"
+UNIT_RULE = "a unit test starts no {} (tests/conftest.py); move the test to tests/integration/"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """The tiers are folders: a test in tests/unit/ starts no process and no process group (tests/integration/
+    holds those), so `make test-fast` is that folder, with no list to keep. Enforced here, for every unit test."""
+    if UNIT not in Path(str(request.node.fspath)).parents:
+        return
+    import multiprocessing.process
+
+    import torch.distributed as dist
+
+    def refuse(what):
+        def call(*args, **kwargs):
+            raise AssertionError(UNIT_RULE.format(what))
+        return call
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("process"))
+    monkeypatch.setattr(dist, "init_process_group", refuse("process group"))

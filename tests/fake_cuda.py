@@ -15,7 +15,7 @@ behaviour of CUDA graphs (torch.cuda.CUDAGraph, torch.cuda.graph, "CUDA Graphs" 
 
 What it cannot show: kernels, streams and memory themselves. Ops run in order on one CPU thread, so a missing
 stream wait, a race with another thread's CUDA call under the "global" capture mode, an allocator that reuses a
-block too early, or cuDNN choosing another algorithm at capture are not seen here; tests/test_cuda.py runs the
+block too early, or cuDNN choosing another algorithm at capture are not seen here; tests/integration/test_cuda.py runs the
 real graph on a GPU.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The commands wing: one module per `largebatch COMMAND` (`largebatch.cli.COMMANDS` maps names to them).
 
 Commands parse arguments, start workers (through `largebatch.launch`), call the library and print; the library
-(everything outside this package) never imports a command (tests/test_layers.py).
+(everything outside this package) never imports a command (tests/unit/test_layers.py).
 """

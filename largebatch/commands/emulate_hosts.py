@@ -14,7 +14,7 @@ Traffic paths. Every worker binds gloo (and NCCL's socket transport) to its node
 leaves through eth0, crosses the shaped veth, the bridge and the peer's shaped veth.
 A connection to a peer on the same node goes to an address of the own namespace,
 which the kernel routes over the namespace's loopback (the `local` routing table),
-so intra-node traffic never touches the shaped link; `tests/test_cluster.py`
+so intra-node traffic never touches the shaped link; `tests/integration/test_emulate_hosts.py`
 measures both.
 
 Shaping. Each direction of each node's link (egress of eth0 in the node, egress

@@ -95,7 +95,7 @@ def cpu_decode(data: bytes, plan: jpeg.CropPlan, size: int, out: torch.Tensor) -
 
 class CudaOrder:
     """The seam through which GPU decoding orders CUDA streams: torch.cuda's streams and events and
-    `Tensor.record_stream`, and nothing else does (tests/test_gpu_jpeg.py passes a fake that records the calls)."""
+    `Tensor.record_stream`, and nothing else does (tests/unit/test_gpu_jpeg.py passes a fake that records the calls)."""
 
     def current_stream(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)

@@ -30,11 +30,16 @@ PACKAGE_CATALOG = Path(__file__).with_name("catalog.yaml")
 
 
 def user_catalog_path() -> Path:
-    """Where `--calibrate` writes and `plan` reads the measured entries."""
-    env = os.environ.get("LARGEBATCH_CATALOG")
+    """Where `--calibrate` writes and `plan` reads the measured entries (read from the environment each call; the
+    path itself is cached per environment, as a sweep of `predict` asks for it thousands of times)."""
+    return _user_path(os.environ.get("LARGEBATCH_CATALOG"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+
+
+@lru_cache(maxsize=8)
+def _user_path(env: str | None, xdg: str | None, home: str | None) -> Path:
     if env:
         return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "largebatch" / "this_machine.yaml"
+    return Path(xdg or Path.home() / ".cache") / "largebatch" / "this_machine.yaml"
 
 
 @dataclass(frozen=True)

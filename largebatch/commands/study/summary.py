@@ -3,7 +3,7 @@
 After every cell the study writes OUT/study.json (all cells, each with its exact `largebatch train` command, the
 table and the verdicts), OUT/study.md (the table, mean ± sample std over seeds, and the claims) and OUT/study.png,
 each whole or not at all. Written again from a committed study.json's own head and cells, they are the committed
-files (tests/test_study.py).
+files (tests/integration/test_study.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,226 @@
+"""User errors that need real processes: launchers, ranks, rendezvous, full disks, checkpoints on disk."""
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from largebatch import checkpoint
+from largebatch import cli as cli_mod
+from largebatch.data.pack import pack
+
+pytestmark = pytest.mark.timeout(300)
+
+
+TINY = ["--set", "model.width=4", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=256",
+        "--set", "data.image_size=8", "--set", "batch.global_batch=64", "--set", "schedule.epochs=1",
+        "--set", "schedule.warmup_epochs=0", "--set", "train.plots=false", "--quiet"]
+
+
+@pytest.fixture
+def main(capsys):
+    """Run `largebatch ARGS` in this process; (exit code, the one error line)."""
+    def run(*args):
+        code = cli_mod.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        lines = [line for line in err.splitlines() if line.startswith("largebatch: error:")]
+        return code, (lines[0] if len(lines) == 1 else err)
+    return run
+
+
+def _expect(result, *fragments):
+    code, line = result
+    assert code == 2, line
+    for f in fragments:
+        assert f in line, line
+
+
+def _files(run: Path) -> dict:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and p.name != ".largebatch.lock"}
+
+
+# ------------------------------------------------------------------ a recipe that expands without bound
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
+model: {name: *i}
+"""
+
+
+def test_a_node_that_waits_alone_at_the_rendezvous_is_told_how_to_start_the_others(tmp_path):
+    """One agent of an --nnodes 2 run (the others never started, or with another --nnodes or endpoint):
+    after the join timeout, one sentence naming the endpoint and the fix, exit 2, no traceback."""
+    from largebatch.launch import free_port
+
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "largebatch.launch", "--nnodes", "2", "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-conf", "join_timeout=2", "--local-addr", "127.0.0.1",
+                        "-m", "largebatch", "train", *TINY],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"largebatch: error: not all of the --nnodes 2 nodes reached the rendezvous at 127.0.0.1:{port} in time; "
+        "start the same command on every node, with the same --nnodes, --rdzv-endpoint and --rdzv-id."], r.stderr
+    assert not list(tmp_path.iterdir())   # no worker started, nothing written
+
+
+def test_checkpoints_that_do_not_fit(cli, main, tmp_path):
+    run = tmp_path / "run"
+    cli("train", *TINY, "--run-dir", run, check=True)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    # resume with another model, another optimizer: the sentence names what differs, nothing is touched (and with
+    # --allow-change, the checkpoint that does not fit is named)
+    _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume"),
+            "would change what the run is: model.width 4 -> 8", "--allow-change model.width")
+    _expect(main("train", *TINY, "--set", "model.width=8", "--run-dir", run, "--resume", "--allow-change",
+                 "model.width"), "was written by model speedrun", "18,804 parameters", "this run builds",
+            "73,896 parameters", "recipe and --set options the run was started with")
+    _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume"),
+            "optim.name sgd -> lamb")
+    _expect(main("train", *TINY, "--set", "optim.name=lamb", "--run-dir", run, "--resume", "--allow-change",
+                 "optim.name"), "was written with optim.name=sgd but this run uses lamb")
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    # evaluate --checkpoint: a foreign file, a directory, another run's model
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"junk")
+    _expect(main("evaluate", run, "--checkpoint", junk), "is not a largebatch checkpoint")
+    _expect(main("evaluate", run, "--checkpoint", tmp_path), "is a directory")
+    other = tmp_path / "other"
+    cli("train", *TINY, "--set", "model.width=8", "--run-dir", other, check=True)
+    path, _ = checkpoint.latest(other / "checkpoints")
+    _expect(main("evaluate", run, "--checkpoint", path), "was written by model speedrun", "73,896 parameters",
+            "but the run's config builds", "18,804 parameters", f"give a checkpoint written by the run in {run}")
+
+
+def test_full_disk_leaves_nothing_half_written(tmp_path):
+    """A real full file system (a 256 KiB tmpfs): the atomic writer removes its temporary file, and a
+    failed `data pack` leaves neither the destination nor a temporary sibling."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    try:
+        with pytest.raises(OSError):
+            checkpoint.atomic_write(mnt / "big.bin", b"x" * (1 << 20))
+        assert list(mnt.iterdir()) == []
+        src = tmp_path / "if"
+        for split in ("train", "val"):
+            for c in ("a", "b"):
+                (src / split / c).mkdir(parents=True)
+                for i in range(12):   # about 1 MB of JPEGs in all: more than the file system holds
+                    noise = np.random.default_rng(i).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+                    Image.fromarray(noise).save(src / split / c / f"{i}.jpg", quality=100)
+        from largebatch.errors import UserError
+
+        with pytest.raises(UserError, match="could not write"):
+            pack(src, mnt / "shards", shard_bytes=1 << 20)
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_user_error_on_one_rank_exits_2_with_its_sentence_once(cli, tmp_path):
+    """Rank 1 alone raises a user error (LARGEBATCH_FAULTS=error@1:1): the launcher exits 2 (not 1, not
+    -6), the rank's sentence is printed, the peer's collective failure is one line, no traceback, and the
+    agent's log lines do not bury the sentence."""
+    proc = cli("train", *TINY, "--nproc-per-node", "2", "--run-dir", tmp_path / "run",
+               env={"LARGEBATCH_FAULTS": "error@1:1"})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+    assert proc.stderr.count("injected error at step 1 on rank 1") == 1, proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "Sending process" not in proc.stderr
+    # a config error met by both ranks is printed once, not once per rank
+    same = cli("train", *TINY, "--nproc-per-node", "2", "--run-dir", tmp_path / "run2",
+               "--set", "batch.global_batch=100000")
+    assert same.returncode == 2 and same.stderr.count("largebatch: error:") == 1, same.stderr
+
+
+def test_resume_with_foreign_checkpoints_or_ema_turned_on(cli, main, tmp_path):
+    import hashlib
+
+    import torch
+
+    run = tmp_path / "run"
+    cli("train", *TINY, "--run-dir", run, check=True)
+    ckpts = run / "checkpoints"
+    newest, _ = checkpoint.latest(ckpts)
+    # train.ema turned on when resuming a finished run: the average is the restored weights (was: the initial ones)
+    assert main("train", *TINY, "--set", "train.ema=0.9", "--run-dir", run, "--resume")[0] == 0
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert len(evals) == 2 and evals[1]["loss"] == evals[0]["loss"]
+    # a foreign JSON file among the metadata is skipped like a corrupt one (was: a traceback)
+    shutil.copy(newest, ckpts / "step-00000098.pt")
+    (ckpts / "step-00000098.json").write_text("[1, 2]")
+    warned: list[str] = []
+    assert checkpoint.latest(ckpts, warn=warned.append)[0] == newest and "step-00000098.pt" in warned[0]
+    before = _files(run)
+
+    def foreign(data: bytes, *fragments: str) -> None:   # a file whose metadata matches it: intact, not ours
+        (ckpts / "step-00000099.pt").write_bytes(data)
+        (ckpts / "step-00000099.json").write_text(json.dumps({"step": 99, "size": len(data),
+                                                               "sha256": hashlib.sha256(data).hexdigest()}))
+        _expect(main("train", *TINY, "--run-dir", run, "--resume"), "step-00000099.pt is not a largebatch training "
+                "checkpoint", "move it and its .json out of", *fragments)
+        (ckpts / "step-00000099.pt").unlink()
+        (ckpts / "step-00000099.json").unlink()
+        assert _files(run) == before
+
+    foreign(b"junk", "torch.load failed")
+    buf = io.BytesIO()
+    torch.save({"weights": torch.zeros(2)}, buf)
+    foreign(buf.getvalue(), "(no model)")
+
+
+@pytest.mark.timeout(60)
+def test_a_recipe_of_nested_aliases_is_refused_before_it_expands(tmp_path, cli):
+    recipe = tmp_path / "laughs.yaml"
+    recipe.write_text(BILLION_LAUGHS)   # 10^9 values if built
+    proc = cli("train", recipe, "--dry-run", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"recipe {recipe} expands to more than 100,000 values through its aliases" in proc.stderr
+    (tmp_path / "loop.yaml").write_text("model: &m {name: resnet18, more: *m}\n")
+    proc = cli("train", tmp_path / "loop.yaml", "--dry-run", timeout=60)
+    assert proc.returncode == 2 and "an alias that refers to itself" in proc.stderr, proc.stderr[-2000:]
+    proc = cli("train", "fashion_mnist", "--dry-run", "--set", "model.x=[&a [1,1,1,1,1,1,1,1,1,1], "
+               + ", ".join(["*a"] * 10) + "]", timeout=60)
+    assert proc.returncode == 2   # small expansions load as before (and the unknown key is then refused)
+    assert "expands" not in proc.stderr and "model.x" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_fault_knobs_own_variables_never_stop_a_run_that_uses_none(tmp_path, cli):
+    proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "data.dataset=synthetic",
+               "--set", "train.max_steps=1", "--set", "model.width=4", "--set", "data.synthetic_size=64",
+               "--set", "train.plots=false", "--set", "batch.global_batch=32", env={"LARGEBATCH_FAULT_HANG_S": "soon"},
+               timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, sentence", [
+    ({"LOCAL_RANK": "0"}, "LOCAL_RANK is set ('0') but WORLD_SIZE is not"),
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0"},
+     "--nproc-per-node 2 was given to a process that a launcher started with 1 process(es) per node"),
+])
+def test_nproc_per_node_that_a_launch_would_ignore_is_refused(tmp_path, cli, env, sentence):
+    proc = cli("train", "fashion_mnist", "--nproc-per-node", "2", "--run-dir", tmp_path / "run", "--set",
+               "data.dataset=synthetic", "--set", "train.max_steps=1", env=env, timeout=120)
+    assert proc.returncode == 2 and sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()   # refused before the run directory is taken
+

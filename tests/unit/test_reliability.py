@@ -1,0 +1,176 @@
+"""Reliability pieces in one process: fault specs, preflight verdicts, the store watchdog's naming,
+checkpoints that survive corruption and SIGKILL during writes, non-finite skipping and abort.
+
+The multi-process, end-to-end fault tests are in test_faults.py.
+"""
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from largebatch import checkpoint, config, reliability
+from largebatch.errors import UserError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_parse_faults_and_attempts(monkeypatch):
+    faults = reliability.parse_faults("nan@1:3, hang@0:2-4/1 ,kill@1:7/*")
+    assert faults == [reliability.Fault("nan", 1, 3, 3, 0), reliability.Fault("hang", 0, 2, 4, 1),
+                      reliability.Fault("kill", 1, 7, 7, None)]
+    for bad in ("nan@x:3", "boom@0:1", "nan@1"):
+        with pytest.raises(UserError, match="LARGEBATCH_FAULTS"):
+            reliability.parse_faults(bad)
+    monkeypatch.setenv("LARGEBATCH_FAULTS", "nan@1:3-4,nan@0:9,kill@1:7/1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    inj = reliability.FaultInjector(rank=1)
+    assert [inj.poison(s) for s in range(2, 6)] == [False, True, True, False]
+    assert not inj.poison(9)                       # rank 0's fault
+    inj.before_step(7)                             # the kill is for attempt 1 only: still alive
+
+
+def _report(**kw):
+    rep = {"host": "a", "config hash": "h", "code version": "v", "torch version": "t", "world size": 3,
+           "local world size": 3, "train images": 100, "test images": 10, "local rank": 0, "node rank": 0}
+    rep.update(kw)
+    return rep
+
+
+def test_preflight_names_the_odd_rank():
+    ok = [_report(**{"local rank": r}) for r in range(3)]
+    reliability.check_reports(ok)
+    bad = [dict(r) for r in ok]
+    bad[2]["config hash"] = "other"
+    with pytest.raises(UserError, match=r"rank 2 on a has config hash other but rank 0 has h"):
+        reliability.check_reports(bad)
+    bad = [dict(r) for r in ok]
+    bad[1]["train images"] = 0
+    with pytest.raises(UserError, match="rank 1 on a has no training images"):
+        reliability.check_reports(bad)
+    bad = [dict(r) for r in ok]
+    bad[1]["code version"] = "0.1.0+other"
+    with pytest.raises(UserError, match="rank 1 .* code version"):
+        reliability.check_reports(bad)
+    bad = [dict(r) for r in ok]
+    bad[2]["local rank"] = 1
+    with pytest.raises(UserError, match="ranks 1 and 2 both claim local rank 1"):
+        reliability.check_reports(bad)
+
+
+def test_watchdog_names_missing_ranks_from_a_real_store(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}")
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                             wait_for_workers=False) for _ in range(3)]
+    dogs = [reliability.Watchdog(c, r, 3, timeout_s=5, publish_every_s=0.05) for r, c in enumerate(clients)]
+    for step in range(4):
+        dogs[0].check_in(step, "training step")
+        dogs[2].check_in(step, "training step")
+        if step < 2:
+            dogs[1].check_in(step, "training step")     # rank 1 stops arriving after step 1
+    time.sleep(0.5)                                     # the publisher threads send the latest records
+    assert dogs[0].missing() == [(1, 1, "training step")]
+    with pytest.raises(reliability.CollectiveTimeout,
+                       match=r"'checkpoint' at step 4 .*ranks that did not arrive: rank 1 \(last seen at step 1"):
+        with dogs[0].guard(4, "checkpoint"):
+            raise RuntimeError("[gloo] Timed out waiting 5000ms for recv operation to complete")
+    with pytest.raises(ZeroDivisionError):       # a bug is not dressed up as a communication failure
+        with dogs[0].guard(5, "step"):
+            raise ZeroDivisionError()
+    for dog in dogs:
+        dog.close()
+    del server
+
+
+def test_watchdog_check_ins_do_not_touch_the_store_each_step(monkeypatch):
+    """Steps only record locally; the thread sends the latest record at most once per interval, and a
+    rank whose main thread is stuck (here: sleeping) still has its last record published."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-pub")
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    dog = reliability.Watchdog(reader, 0, 1, timeout_s=60, publish_every_s=1.0)
+    assert dog.publish_every_s == 1.0
+    key = dog._key(0)
+    assert reader.get(key) == b"0|0|start"             # written at construction, before any collective
+    t0 = time.perf_counter()
+    for step in range(1000):
+        dog.check_in(step, "training step")
+    assert time.perf_counter() - t0 < 1.0              # 1,000 check-ins within one interval ...
+    assert reader.get(key) == b"0|0|start"             # ... and none of them reached the store yet
+    time.sleep(2.0)                                    # the main thread is "stuck"; the thread publishes
+    assert reader.get(key) == b"1000|999|training step"
+    assert reliability.Watchdog(None, 0, 4096, timeout_s=600).publish_every_s == pytest.approx(4.096)
+    assert reliability.Watchdog(None, 0, 2, timeout_s=2).publish_every_s == 0.5   # a quarter of the timeout
+    dog.close()
+    del server
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(512, 1024, generator=g), "step": step}
+
+
+def test_corrupt_and_truncated_checkpoints_are_named_and_skipped(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save(_state(step), tmp_path, step, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [f"step-0000000{s}.pt" for s in (2, 3, 4)]
+    newest, middle = tmp_path / "step-00000004.pt", tmp_path / "step-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])                      # truncated
+    data = bytearray(middle.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                       # one flipped byte, same size
+    middle.write_bytes(bytes(data))
+    warnings = []
+    path, meta = checkpoint.latest(tmp_path, warn=warnings.append)
+    assert path.name == "step-00000002.pt" and meta["step"] == 2
+    assert len(warnings) == 2 and "step-00000004.pt" in warnings[0] and "step-00000003.pt" in warnings[1]
+    assert torch.equal(checkpoint.load(path)["w"], _state(2)["w"])
+
+
+def _writer(directory: str, start: int) -> None:
+    step = start
+    while True:
+        checkpoint.save(_state(step % 7), __import__("pathlib").Path(directory), step, keep=2)
+        step += 1
+
+
+
+
+def _tiny(tmp_path, *sets):
+    return config.load("fashion_mnist", [
+        "model.width=4", "data.dataset=synthetic", "data.synthetic_size=128", "data.image_size=16",
+        "batch.global_batch=32", "train.log_every=1", "train.plots=false", "train.max_steps=4", *sets])
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_steps_are_skipped_counted_then_abort(tmp_path, monkeypatch):
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    monkeypatch.setenv("LARGEBATCH_FAULTS", "nan@0:1-2")
+    trainer = Trainer(_tiny(tmp_path), tmp_path / "skip", quiet=True)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    summary = trainer.fit()
+    assert summary["nonfinite_steps"] == 2 and summary["steps"] == 4 and summary["status"] == "finished"
+    after = trainer.model.state_dict()
+    assert all(torch.isfinite(v.float()).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)   # the finite steps did update
+
+    monkeypatch.setenv("LARGEBATCH_FAULTS", "nan@0:0-99")
+    trainer = Trainer(_tiny(tmp_path, "train.max_nonfinite=2"), tmp_path / "abort", quiet=True)
+    with pytest.raises(UserError, match="3 consecutive steps with non-finite loss"):
+        trainer.fit()
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items()
+               if "num_batches" not in k and "running" not in k)   # no step was applied
