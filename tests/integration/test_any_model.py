@@ -9,6 +9,7 @@ no torchvision) they skip, saying why, and the refusals of a missing library are
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from largebatch.optim import LARS, build_optimizer, param_groups
 
 pytestmark = pytest.mark.timeout(300)
 TESTS = Path(__file__).resolve().parent   # factories named test_any_model:NAME live here
+FACTORY_PATH = os.pathsep.join([str(TESTS), str(TESTS.parent)])   # this folder, and conftest's that it imports
 
 
 # ---- the factories ---------------------------------------------------------------------------------
@@ -179,7 +181,7 @@ def test_a_missing_library_through_train_exits_2_in_one_sentence(cli, tmp_path, 
 ])
 def test_a_bad_factory_through_train_exits_2_and_writes_nothing(cli, tmp_path, name, fragment):
     proc = cli("train", "--set", f"model.name={name}", "--set", "data.dataset=synthetic",
-               "--run-dir", tmp_path / "run", "--quiet", env={"PYTHONPATH": str(TESTS)})
+               "--run-dir", tmp_path / "run", "--quiet", env={"PYTHONPATH": FACTORY_PATH})
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr

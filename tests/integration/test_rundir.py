@@ -65,9 +65,12 @@ def test_a_second_writer_is_refused_while_the_first_runs(cli, tmp_path):
     """A real first run holds the lock; a second `--resume` on its directory is refused at once and
     the first run finishes untouched."""
     run = tmp_path / "run"
+    # a second per step from step 2 on (the fault knob's hang), so the first run is still running however fast the
+    # machine: a tiny run of 40 epochs could finish before the second writer came
+    slow = {**os.environ, "LARGEBATCH_FAULTS": "hang@0:2-1000000", "LARGEBATCH_FAULT_HANG_S": "1"}
     first = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
                               "--set", "train.log_every=1", "--run-dir", str(run)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slow)
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():

@@ -24,7 +24,6 @@ from largebatch.errors import UserError
 wds = pytest.importorskip("webdataset", reason="webdataset is in the test extra: pip install -e '.[test]'")
 
 pytestmark = pytest.mark.timeout(300)
-TESTS = Path(__file__).resolve().parent   # factories named test_any_model:NAME live here
 CLASSES = 4
 TRAIN, VAL = 40, 12
 
@@ -320,13 +319,13 @@ def test_shards_from_data_pack_read_through_webdataset_give_the_same_images_and_
 
 
 def test_a_factory_model_trains_resumes_and_evaluates_on_webdataset_shards(published, tmp_path, cli):
-    from test_any_model import _train_resume_evaluate
+    from test_any_model import FACTORY_PATH, _train_resume_evaluate
 
     root = _indexed(published, tmp_path, cli)
     result = _train_resume_evaluate(
         cli, tmp_path, "test_any_model:make_model",
         ["--set", "data.dataset=webdataset", "--set", f"data.root={root}", "--set", f"data.num_classes={CLASSES}",
-         "--set", "data.image_size=16", "--set", "data.loader_workers=0"], env={"PYTHONPATH": str(TESTS)})
+         "--set", "data.image_size=16", "--set", "data.loader_workers=0"], env={"PYTHONPATH": FACTORY_PATH})
     assert result["model"]["source"].startswith("test_any_model (")
 
 
