@@ -7,6 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
+# both tiers importable by name from either (an integration file takes its unit file's helpers: one copy)
+sys.path[:0] = [str(ROOT / "tests" / "unit"), str(ROOT / "tests" / "integration")]
 
 # Each pytest worker (pytest-xdist -n N) owns its share of the cores, as a launcher gives each training worker its
 # share: the runs a test starts take OMP_NUM_THREADS from here (largebatch.dist.set_threads honours it, and the
@@ -100,3 +102,18 @@ def _unit_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("process"))
     monkeypatch.setattr(dist, "init_process_group", refuse("process group"))
+
+
+@pytest.fixture
+def main(capsys):
+    """Run `largebatch ARGS` in this process (a refusal costs no interpreter start); (exit code, the one error
+    line, or all of stderr when there is not exactly one)."""
+    from largebatch import cli as cli_mod
+
+    def run(*args):
+        code = cli_mod.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        lines = [line for line in err.splitlines() if line.startswith("largebatch: error:")]
+        return code, (lines[0] if len(lines) == 1 else err)
+    return run

@@ -4,15 +4,7 @@ import json
 import shutil
 
 from conftest import FMNIST
-
-
-def _assert_user_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("largebatch: error:")]
-    assert len(lines) == 1, proc.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
+from test_config import _assert_user_error  # the helpers of its unit tests, one copy
 
 
 def test_cli_bad_inputs(cli, tmp_path):

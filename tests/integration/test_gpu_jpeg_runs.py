@@ -1,12 +1,9 @@
 """GPU decoding asked for where it cannot run, through the command line."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from test_gpu_jpeg import _images  # the helpers of its unit tests, one copy
 
 from largebatch import config
 from largebatch.data.gpu_jpeg import (
@@ -15,27 +12,6 @@ from largebatch.data.gpu_jpeg import (
 from largebatch.errors import UserError
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
-
-
-def _images(root: Path) -> list[str]:
-    """Photos-like JPEGs (smooth gradients plus noise) of many sizes and aspect ratios, some in grayscale and one
-    CMYK; small ones decode at full scale on the CPU path (DCT factor 1), large ones at 1/2 to 1/8."""
-    rng = np.random.default_rng(0)
-    paths = []
-    for i, (w, h) in enumerate([(40, 30), (33, 64), (48, 48), (50, 90), (64, 40), (120, 80), (300, 200),
-                                (90, 260), (256, 256), (45, 45), (70, 35), (35, 70)]):
-        yy, xx = np.mgrid[0:h, 0:w]
-        arr = np.stack([(xx * 255 // w), (yy * 255 // h), ((xx + yy) * 127 // (w + h))], -1)
-        arr = np.clip(arr + rng.integers(-20, 20, arr.shape), 0, 255).astype(np.uint8)
-        img = Image.fromarray(arr)
-        if i in (2, 9):
-            img = img.convert("L")
-        if i == 5:
-            img = img.convert("CMYK")
-        path = root / f"{i:02d}.jpg"
-        img.save(path, "JPEG", quality=90)
-        paths.append(str(path))
-    return paths
 
 
 def test_data_decode_gpu_where_it_cannot_run_is_one_sentence(tmp_path, cli):

@@ -6,22 +6,11 @@ import sys
 
 import pytest
 import torch
+from test_memory import PEAK_RSS  # the helpers of its unit tests, one copy
 
 from largebatch import memory
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
-
-
-# The peak RSS of this process image: VmHWM, not getrusage's ru_maxrss, which Linux carries across execve from the
-# forked parent (a pytest worker of a GB or more would be every child's peak).
-PEAK_RSS = """
-import sys, torch
-from largebatch.models import build_model
-torch.set_num_threads(1)
-net = build_model("resnet50", 10, width=64, stem="imagenet")
-net(torch.randint(0, 255, (int(sys.argv[1]), 3, 128, 128)).float()).float().sum().backward()
-print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:")))
-"""
 
 
 def test_the_estimate_per_image_is_within_20_percent_of_measured_memory():

@@ -4,61 +4,16 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from test_user_errors import BILLION_LAUGHS, TINY, _expect, _files  # the helpers of its unit tests, one copy
 
 from largebatch import checkpoint
-from largebatch import cli as cli_mod
 from largebatch.data.pack import pack
 
 pytestmark = pytest.mark.timeout(300)
-
-
-TINY = ["--set", "model.width=4", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=256",
-        "--set", "data.image_size=8", "--set", "batch.global_batch=64", "--set", "schedule.epochs=1",
-        "--set", "schedule.warmup_epochs=0", "--set", "train.plots=false", "--quiet"]
-
-
-@pytest.fixture
-def main(capsys):
-    """Run `largebatch ARGS` in this process; (exit code, the one error line)."""
-    def run(*args):
-        code = cli_mod.main([str(a) for a in args])
-        err = capsys.readouterr().err
-        assert "Traceback" not in err, err
-        lines = [line for line in err.splitlines() if line.startswith("largebatch: error:")]
-        return code, (lines[0] if len(lines) == 1 else err)
-    return run
-
-
-def _expect(result, *fragments):
-    code, line = result
-    assert code == 2, line
-    for f in fragments:
-        assert f in line, line
-
-
-def _files(run: Path) -> dict:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
-            and p.name != ".largebatch.lock"}
-
-
-# ------------------------------------------------------------------ a recipe that expands without bound
-BILLION_LAUGHS = """\
-a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
-b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
-g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
-h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
-i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
-model: {name: *i}
-"""
 
 
 def test_a_node_that_waits_alone_at_the_rendezvous_is_told_how_to_start_the_others(tmp_path):

@@ -22,18 +22,6 @@ TINY = ["--set", "model.width=4", "--set", "data.dataset=synthetic", "--set", "d
         "--set", "schedule.warmup_epochs=0", "--set", "train.plots=false", "--quiet"]
 
 
-@pytest.fixture
-def main(capsys):
-    """Run `largebatch ARGS` in this process; (exit code, the one error line)."""
-    def run(*args):
-        code = cli_mod.main([str(a) for a in args])
-        err = capsys.readouterr().err
-        assert "Traceback" not in err, err
-        lines = [line for line in err.splitlines() if line.startswith("largebatch: error:")]
-        return code, (lines[0] if len(lines) == 1 else err)
-    return run
-
-
 def _expect(result, *fragments):
     code, line = result
     assert code == 2, line
