@@ -89,7 +89,7 @@ UNIT_RULE = "a unit test starts no {} (tests/conftest.py); move the test to test
 def _unit_tests_start_no_process(request, monkeypatch):
     """The tiers are folders: a test in tests/unit/ starts no process and no process group (tests/integration/
     holds those), so `make test-fast` is that folder, with no list to keep. Enforced here, for every unit test."""
-    if UNIT not in Path(str(request.node.fspath)).parents:
+    if UNIT not in request.node.path.parents:
         return
     import multiprocessing.process
 

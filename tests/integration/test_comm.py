@@ -218,8 +218,11 @@ def _groups(p: int, local_world: int) -> dict[str, Callable[[int], None]]:
     groups: dict[str, Callable[[int], None]] = {}
     counter = itertools.count(1)
 
-    def add(name: str, calls: list[tuple[int, tuple, dict]]) -> None:
-        groups[name] = lambda rank: [_check(p, rank, *args, **kwargs) for _, args, kwargs in calls] and None
+    def add(name: str, calls: list[tuple[tuple, dict]]) -> None:
+        def run(rank: int) -> None:
+            for args, kwargs in calls:
+                _check(p, rank, *args, **kwargs)
+        groups[name] = run
 
     lengths = sorted({1, max(1, p - 1), p + 1, 1009, 262147})    # 262147 floats ~ 1 MB, prime
     for algorithm, impl in [(a, {}) for a in comm.ALGORITHMS] + [(a, {"impl": "p2p"}) for a in TWO_LEVEL]:
@@ -228,48 +231,48 @@ def _groups(p: int, local_world: int) -> dict[str, Callable[[int], None]]:
             for n in lengths:
                 if compression != "none" and (n > 100_000 or (p >= 6 and n != 1009)):
                     continue                            # runtime: lossy at 1 MB never, at p >= 6 on 1009 only
-                calls.append((0, (n, next(counter), algorithm, compression), impl))
+                calls.append(((n, next(counter), algorithm, compression), impl))
         add(f"{algorithm}{':' + impl['impl'] if impl else ''} lengths x compressions", calls)
     for grid in GRIDS[p]:
-        calls = [(0, (n, next(counter), "torus2d"), {"grid": grid, "impl": "p2p"}) for n in (p + 1, 1009, 65537)]
-        case = calls[-1][1][1]
-        calls.append((0, (4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "p2p"}))
+        calls = [((n, next(counter), "torus2d"), {"grid": grid, "impl": "p2p"}) for n in (p + 1, 1009, 65537)]
+        case = calls[-1][0][1]
+        calls.append(((4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "p2p"}))
         for pieces in (3, 7):                       # pipelined: pieces of 65537 elements, and more pieces than some chunks
             case = next(counter)
-            calls.append((0, (65537 if pieces == 3 else p + 1, case, "torus2d"),
+            calls.append(((65537 if pieces == 3 else p + 1, case, "torus2d"),
                           {"grid": grid, "pipeline": pieces, "impl": "p2p"}))
-        calls.append((0, (4099, case, "torus2d", "bf16"), {"grid": grid, "pipeline": 3, "impl": "p2p"}))
+        calls.append(((4099, case, "torus2d", "bf16"), {"grid": grid, "pipeline": 3, "impl": "p2p"}))
         add(f"torus2d:p2p grid {grid}", calls)
     for k in LOCAL_SIZES[p]:
         calls = []
         for inter in ("halving_doubling", "ring", "native"):
-            calls.append((0, (1009, case := next(counter), "hierarchical"),
+            calls.append(((1009, case := next(counter), "hierarchical"),
                           {"local_size": k, "inter": inter, "impl": "p2p"}))
-        calls.append((0, (4099, case, "hierarchical", "bf16"), {"local_size": k, "impl": "p2p"}))
+        calls.append(((4099, case, "hierarchical", "bf16"), {"local_size": k, "impl": "p2p"}))
         for inter in ("halving_doubling", "native"):
-            calls.append((0, (65537, case := next(counter), "hierarchical"),
+            calls.append(((65537, case := next(counter), "hierarchical"),
                           {"local_size": k, "inter": inter, "pipeline": 4, "impl": "p2p"}))
-        calls.append((0, (4099, case, "hierarchical", "fp16"), {"local_size": k, "pipeline": 3, "impl": "p2p"}))
+        calls.append(((4099, case, "hierarchical", "fp16"), {"local_size": k, "pipeline": 3, "impl": "p2p"}))
         add(f"hierarchical:p2p local_size {k}", calls)
     # native-composed two-level forms (the backend's reduce-scatter / all-reduce / all-gather)
     for grid in GRIDS[p]:
         calls = []
         for n, pieces in ((p + 1, 1), (65537, 1), (65537, 3), (p + 1, 7)):
-            calls.append((0, (n, case := next(counter), "torus2d"), {"grid": grid, "impl": "native", "pipeline": pieces}))
-        calls += [(0, (4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "native", "pipeline": 2}),
-                  (0, (4099, case, "torus2d", "bf16"), {"grid": grid, "impl": "native"}),
-                  (0, (1009, case, "torus2d"), {"grid": grid, "impl": "native", "dtype": torch.int64})]
+            calls.append(((n, case := next(counter), "torus2d"), {"grid": grid, "impl": "native", "pipeline": pieces}))
+        calls += [((4099, case, "torus2d", "fp16"), {"grid": grid, "impl": "native", "pipeline": 2}),
+                  ((4099, case, "torus2d", "bf16"), {"grid": grid, "impl": "native"}),
+                  ((1009, case, "torus2d"), {"grid": grid, "impl": "native", "dtype": torch.int64})]
         add(f"torus2d:native grid {grid}", calls)
     for k in LOCAL_SIZES[p]:
         calls = []
         for inter in ("native", "halving_doubling", "ring"):
             for n, pieces in ((1009, 1), (65537, 3)):
-                calls.append((0, (n, case := next(counter), "hierarchical"),
+                calls.append(((n, case := next(counter), "hierarchical"),
                               {"local_size": k, "inter": inter, "impl": "native", "pipeline": pieces}))
-        calls.append((0, (4099, case, "hierarchical", "fp16"), {"local_size": k, "impl": "native", "inter": "native"}))
+        calls.append(((4099, case, "hierarchical", "fp16"), {"local_size": k, "impl": "native", "inter": "native"}))
         add(f"hierarchical:native local_size {k}", calls)
     for algorithm in comm.ALGORITHMS:
-        add(f"{algorithm} int32 int64 float64", [(0, (1009, next(counter), algorithm), {"dtype": dtype})
+        add(f"{algorithm} int32 int64 float64", [((1009, next(counter), algorithm), {"dtype": dtype})
                                                  for dtype in (torch.int32, torch.int64, torch.float64)])
     groups["small-message fast path and a non-contiguous tensor"] = lambda rank: _check_fast_path(p, rank)
     if local_world < p:
