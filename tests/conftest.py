@@ -19,11 +19,95 @@ if _PYTEST_WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _PYTEST_WORKERS)))
 
 
+class _WarmStarts:
+    """This pytest worker's client of tests/cli_zygote.py (one server per worker, started at the first run): a
+    run forked from an interpreter that has torch imported. LARGEBATCH_TEST_COLD=1 starts every run cold."""
+
+    def __init__(self):
+        self.server: subprocess.Popen | None = None
+        self.path = ""
+        self.import_env: dict[str, str] = {}
+
+    def _start(self, env: dict[str, str]) -> bool:
+        import tempfile
+
+        from cli_zygote import import_time_env
+
+        self.path = os.path.join(tempfile.mkdtemp(prefix="largebatch-warm-"), "socket")
+        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_zygote.py"), self.path],
+                                       cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        assert self.server.stdout is not None
+        if self.server.stdout.readline().strip() != b"ready":
+            self.server.kill()
+            self.server = None
+            return False
+        self.import_env = import_time_env(env)
+        return True
+
+    def usable(self, env: dict[str, str]) -> bool:
+        from cli_zygote import import_time_env
+
+        if os.environ.get("LARGEBATCH_TEST_COLD") == "1":
+            return False
+        if self.server is None or self.server.poll() is not None:
+            if not self._start({**os.environ, "PYTHONUNBUFFERED": "1"}):
+                return False
+        return import_time_env(env) == self.import_env
+
+    def run(self, argv: list[str], cwd, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import locale
+        import socket
+        import tempfile
+
+        def reply(conn, pending=bytearray()):   # one JSON line from the server
+            while b"\n" not in pending:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise RuntimeError("the warm-start server (tests/cli_zygote.py) ended during a run")
+                pending += chunk
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending[:] = rest
+            return json.loads(line)
+
+        def read(path):
+            with open(path, encoding=locale.getpreferredencoding(False)) as f:
+                return f.read()
+        cmd = [sys.executable, "-m", "largebatch", *argv]
+        with tempfile.TemporaryDirectory(prefix="largebatch-run-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.path)
+                conn.sendall((json.dumps(request) + "\n").encode())
+                pending = bytearray()
+                pid = reply(conn, pending)["pid"]
+                try:
+                    conn.settimeout(timeout)
+                    code = reply(conn, pending)["code"]
+                except BaseException as exc:   # as subprocess.run: the run is killed and waited for
+                    os.kill(pid, 9)
+                    conn.settimeout(None)
+                    reply(conn, pending)
+                    if isinstance(exc, TimeoutError):
+                        raise subprocess.TimeoutExpired(cmd, timeout, output=read(out), stderr=read(err)) from None
+                    raise
+            return subprocess.CompletedProcess(cmd, code, read(out), read(err))
+
+
+_WARM = _WarmStarts()
+
+
 def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
-    """Run `python -m largebatch ARGS` as a user would; returns the CompletedProcess."""
+    """Run `python -m largebatch ARGS` as a user would; returns the CompletedProcess. The process is forked from
+    a server that has torch imported (tests/cli_zygote.py), unless the environment asks for a cold start."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "largebatch", *map(str, args)], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    argv = [str(a) for a in args]
+    if _WARM.usable(full_env):
+        proc = _WARM.run(argv, cwd or ROOT, full_env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "largebatch", *argv], cwd=cwd or ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"largebatch {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -7,15 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 
 
 @pytest.mark.timeout(180)
 def test_bench_cli_runs_two_workers(tmp_path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    proc = subprocess.run([sys.executable, "-m", "largebatch", "bench", "allreduce", "--nproc", "2",
-                           "--sizes", "4KB,64KB", "--iters", "2", "--warmup", "1", "--algorithms", "ring",
-                           "halving_doubling", "--json", str(out), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=170)
+    proc = run_cli("bench", "allreduce", "--nproc", "2", "--sizes", "4KB,64KB", "--iters", "2", "--warmup", "1",
+                   "--algorithms", "ring", "halving_doubling", "--json", out, "--plot", png, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {(r["algorithm"], r["bytes"]) for r in data["rows"]} == {
@@ -26,8 +25,7 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
     assert data["links"]["intra"]["bandwidth_Bps"] > 0 and data["links"]["gamma_s_per_byte"] > 0
     assert all(r["predicted_s"] > 0 and r["median_s"] > 0 for r in data["rows"])
     assert png.stat().st_size > 1000 and "busbw(GB/s)" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "largebatch", "bench", "allreduce", "--algorithms", "rign"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_cli("bench", "allreduce", "--algorithms", "rign", timeout=60)
     assert bad.returncode == 2 and "rign" in bad.stderr and "Traceback" not in bad.stderr
 
 

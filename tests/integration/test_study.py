@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_cli
 
 from largebatch import config as config_mod
 from largebatch.commands import study
@@ -438,7 +439,6 @@ def test_each_experiment_file_expands_to_its_committed_study_cells(tmp_path, nam
     schedules are written once as fractions of the run; the 8-epoch tuning and the 24-epoch cells both follow."""
     from largebatch.commands import experiment
 
-    lb = Path(sys.executable).parent / "largebatch"
     root = Path(__file__).resolve().parents[2]
     entries = experiment.load(root / "experiments" / f"{name}.yaml")["studies"]
     dependent = [e["name"] for e in entries if "{out}" in str(e.get("from_tuning", ""))]
@@ -450,8 +450,7 @@ def test_each_experiment_file_expands_to_its_committed_study_cells(tmp_path, nam
     for out, only in ((tmp_path / "a", tunings), (tmp_path / "b", dependent)):
         if not only:   # an experiment of tuning studies only (recipe_tuning)
             continue
-        proc = subprocess.run([str(lb), "study", name, "--dry-run", "--out", str(out), "--only", ",".join(only)],
-                              capture_output=True, text=True, timeout=240)
+        proc = run_cli("study", name, "--dry-run", "--out", out, "--only", ",".join(only), timeout=240)
         assert proc.returncode == 0, proc.stderr
         listed += [_without_run_dir(line.strip()) for line in proc.stderr.splitlines()
                    if line.startswith("  largebatch train ")]
