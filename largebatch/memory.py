@@ -127,21 +127,41 @@ def _available_cpu_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+# A network's (parameters, floating-point buffer values, bytes saved per image), by what builds it and the input
+# it is measured at: a study's dry run estimates each of its groups, most with one network; each is built and run
+# on the meta device once per process.
+_NET_FIGURES: dict[tuple, tuple[int, int, int]] = {}
+
+
+def net_figures(net: torch.nn.Module, in_channels: int, image_size: int, precision: str) -> tuple[int, int, int]:
+    """(trainable parameters, floating-point buffer values, bytes saved per image: step 2) of a meta-device net."""
+    params = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    buffers = sum(b.numel() for b in net.buffers() if b.is_floating_point())
+    per_image, _ = saved_bytes_per_image(net, in_channels, image_size, precision)
+    return params, buffers, per_image
+
+
 def estimate(cfg, info, device_type: str, device_bytes: int, source: str) -> Estimate:
     """Steps 1-3 for the run `cfg` on a device of `device_bytes`."""
-    sizes = [cfg.data.image_size, *(p.image_size for p in cfg.data.resolution_phases)]
-    return estimate_net(meta_net(cfg, info), in_channels=info.in_channels, image_size=max(sizes),
-                        precision=cfg.train.precision, optimizer=cfg.optim.name,
-                        momentum=cfg.optim.momentum, ema=bool(cfg.train.ema), device_type=device_type,
-                        device_bytes=device_bytes, source=source)
+    size = max([cfg.data.image_size, *(p.image_size for p in cfg.data.resolution_phases)])
+    key = (repr(cfg.model), info.num_classes, info.in_channels, info.image_size, size, cfg.train.precision)
+    if key not in _NET_FIGURES:
+        _NET_FIGURES[key] = net_figures(meta_net(cfg, info), info.in_channels, size, cfg.train.precision)
+    return _estimate(_NET_FIGURES[key], precision=cfg.train.precision, optimizer=cfg.optim.name,
+                     momentum=cfg.optim.momentum, ema=bool(cfg.train.ema), device_type=device_type,
+                     device_bytes=device_bytes, source=source)
 
 
 def estimate_net(net: torch.nn.Module, *, in_channels: int, image_size: int, precision: str, optimizer: str,
                  momentum: float, ema: bool, device_type: str, device_bytes: int, source: str) -> Estimate:
     """Steps 1-3 for a meta-device `net` (`estimate`; `largebatch plan` gives its own values)."""
-    params = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    buffers = sum(b.numel() for b in net.buffers() if b.is_floating_point())
-    per_image, _ = saved_bytes_per_image(net, in_channels, image_size, precision)
+    return _estimate(net_figures(net, in_channels, image_size, precision), precision=precision, optimizer=optimizer,
+                     momentum=momentum, ema=ema, device_type=device_type, device_bytes=device_bytes, source=source)
+
+
+def _estimate(figures: tuple[int, int, int], *, precision: str, optimizer: str, momentum: float, ema: bool,
+              device_type: str, device_bytes: int, source: str) -> Estimate:
+    params, buffers, per_image = figures
     copies = 2 + (STATE_COPIES[optimizer] if optimizer != "sgd" or momentum > 0 else 0)
     state = copies * params * 4
     if ema:
