@@ -431,7 +431,8 @@ def test_study_cells_under_results_are_committed_but_never_their_weights() -> No
 @pytest.mark.parametrize("name, results", [("batch_scaling", "results/large_batch"),
                                            ("batch_control", "results/large_batch/batch_control"),
                                            ("collapsed_ensemble", "results/large_batch/ensemble"),
-                                           ("recipe_tuning", "results/recipe_tuning")])
+                                           ("recipe_tuning", "results/recipe_tuning"),
+                                           ("collapsed_released", "results/large_batch/released")])
 def test_each_experiment_file_expands_to_its_committed_study_cells(tmp_path, name, results):
     """experiments/NAME.yaml is the whole protocol of the committed study in results/: its tuning studies (dry run
     into a fresh directory) and then the studies that choose their lrs from those tunings (dry run beside copies
