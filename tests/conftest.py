@@ -33,7 +33,12 @@ class _WarmStarts:
 
         from cli_zygote import import_time_env
 
-        self.path = os.path.join(tempfile.mkdtemp(prefix="largebatch-warm-"), "socket")
+        import atexit
+        import shutil
+
+        home = tempfile.mkdtemp(prefix="largebatch-warm-")
+        atexit.register(shutil.rmtree, home, True)
+        self.path = os.path.join(home, "socket")
         self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_zygote.py"), self.path],
                                        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         assert self.server.stdout is not None
@@ -60,7 +65,7 @@ class _WarmStarts:
         import socket
         import tempfile
 
-        def reply(conn, pending=bytearray()):   # one JSON line from the server
+        def reply(conn, pending: bytearray):   # one JSON line from the server
             while b"\n" not in pending:
                 chunk = conn.recv(4096)
                 if not chunk:

@@ -113,16 +113,10 @@ def _train_size(cfg: config_mod.Config):
 
         known -= cfg.data.val_split or 0
         return min(known, cfg.data.subset or known), stand_in_info(cfg)
-    key = repr(cfg.data)   # the size and the info do not depend on the seed; an experiment's studies share them
-    if key not in _TRAIN_SIZES:
-        from largebatch.data import build_data
+    from largebatch.data import build_data
 
-        train, _, info = build_data(cfg.data, cfg.train.seed)
-        _TRAIN_SIZES[key] = len(train), info
-    return _TRAIN_SIZES[key]
-
-
-_TRAIN_SIZES: dict[str, tuple] = {}   # _train_size's answers in this process, by the data section
+    train, _, info = build_data(cfg.data, cfg.train.seed)
+    return len(train), info
 
 
 def print_plan(plan: dict) -> None:

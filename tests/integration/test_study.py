@@ -479,9 +479,10 @@ def test_committed_cells_keep_their_numbers_in_compressed_metrics() -> None:
 
 
 def test_every_committed_cells_recorded_command_resolves_to_the_config_it_ran_with() -> None:
-    """Behaviour unchanged at the config level: the recorded command of each committed cell in results/ (every
-    runs/*/config.yaml there belongs to a cell of its study.json; its recipe and --set list) resolves today to exactly the config.yaml that cell trained with (read
-    as a saved config: keys added since take their defaults on both sides). A change of a default, of --set
+    """Behaviour unchanged at the config level: the recorded command of each committed cell in results/ (its
+    recipe and --set list; every runs/*/config.yaml there belongs to a cell of its study.json) resolves today to
+    exactly the config.yaml that cell trained with (read as a saved config: keys added since take their defaults
+    on both sides). A change of a default, of --set
     parsing or of the batch spellings that would make a re-run train something else fails here."""
     root = Path(__file__).resolve().parents[2] / "results"
     checked = 0

@@ -57,12 +57,15 @@ def test_a_warm_run_past_its_timeout_is_killed(tmp_path):
         run_cli("train", "recipes/fashion_mnist.yaml", "--set", "data.dataset=synthetic", "--set",
                 "data.synthetic_size=100000", "--run-dir", tmp_path / "run", timeout=4)
     assert time.monotonic() - start < 30
-    left = []   # no process of the killed run is left (its launcher would hold the run directory)
+    # the killed run was reaped: the warm-start server has no child left (a forked run's /proc cmdline is the
+    # server's, so its children are found by their parent)
+    assert _WARM.server is not None
+    children = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = (Path("/proc") / pid / "cmdline").read_bytes()
+            stat = (Path("/proc") / pid / "stat").read_text()
         except OSError:
             continue
-        if str(tmp_path / "run").encode() in cmdline:
-            left.append(pid)
-    assert not left
+        if int(stat.rpartition(")")[2].split()[1]) == _WARM.server.pid:
+            children.append(pid)
+    assert not children
