@@ -15,6 +15,7 @@ when the slowest edge is done:
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -38,24 +39,33 @@ class Topology:
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
 
-    def step(self, edges: Iterable[tuple[int, int]], nbytes: float, reduce: bool = False) -> float:
-        """Seconds for one step in which each (src, dst) edge carries `nbytes` (steps 1-3)."""
+    def flows(self, edges: Iterable[tuple[int, int]]) -> tuple[bool, int]:
+        """Of one step: (an edge inside a node, the edges that leave the busiest node)."""
+        per_node = self.devices_per_node
         intra = False
         out_flows: Counter[int] = Counter()
         for src, dst in edges:
-            if self.node(src) == self.node(dst):
+            node = src // per_node
+            if node == dst // per_node:
                 intra = True
             else:
-                out_flows[self.node(src)] += 1
+                out_flows[node] += 1
+        return intra, max(out_flows.values(), default=0)
+
+    def step_time(self, intra: bool, busiest: int, nbytes: float, reduce: bool = False) -> float:
+        """Seconds for one step of `flows` (intra, busiest) in which each edge carries `nbytes` (steps 1-3)."""
         t = 0.0
         if intra:  # 1.
             t = self.intra.alpha_s + nbytes / self.intra.bandwidth_Bps
-        if out_flows:  # 2.
-            f = max(out_flows.values())
-            t = max(t, self.inter.alpha_s + nbytes * f / (self.multiplicity * self.inter.bandwidth_Bps))
-        if reduce and (intra or out_flows):  # 3.
+        if busiest:  # 2.
+            t = max(t, self.inter.alpha_s + nbytes * busiest / (self.multiplicity * self.inter.bandwidth_Bps))
+        if reduce and (intra or busiest):  # 3.
             t += self.gamma_s_per_byte * nbytes
         return t
+
+    def step(self, edges: Iterable[tuple[int, int]], nbytes: float, reduce: bool = False) -> float:
+        """Seconds for one step in which each (src, dst) edge carries `nbytes` (steps 1-3)."""
+        return self.step_time(*self.flows(edges), nbytes, reduce)
 
 
 def ring_edges(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -63,16 +73,25 @@ def ring_edges(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     return [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1 for i in range(len(g))]
 
 
+@functools.lru_cache(maxsize=4096)
+def _ring_flows(topo: Topology, groups: tuple[tuple[int, ...], ...]) -> tuple[bool, int]:
+    """`Topology.flows` of one ring step in each group: a reduce-scatter and an all-gather of the same groups, and
+    a planner sweep or fit that predicts the same world again, walk the edges once."""
+    return topo.flows(ring_edges(groups))
+
+
 def ring_reduce_scatter(topo: Topology, groups: Sequence[Sequence[int]], nbytes: float) -> float:
     """Ring reduce-scatter of `nbytes` within each group concurrently: k-1 steps of nbytes/k."""
     k = max(len(g) for g in groups)
-    return 0.0 if k < 2 else (k - 1) * topo.step(ring_edges(groups), nbytes / k, reduce=True)
+    if k < 2:
+        return 0.0
+    return (k - 1) * topo.step_time(*_ring_flows(topo, tuple(map(tuple, groups))), nbytes / k, reduce=True)
 
 
 def ring_all_gather(topo: Topology, groups: Sequence[Sequence[int]], nbytes: float) -> float:
     """Ring all-gather of a `nbytes` result within each group concurrently: k-1 steps of nbytes/k."""
     k = max(len(g) for g in groups)
-    return 0.0 if k < 2 else (k - 1) * topo.step(ring_edges(groups), nbytes / k)
+    return 0.0 if k < 2 else (k - 1) * topo.step_time(*_ring_flows(topo, tuple(map(tuple, groups))), nbytes / k)
 
 
 def pipelined(rs: float, cross: float, ag: float, pieces: int) -> float:
