@@ -1,5 +1,3 @@
-import sys
+from largebatch.cli import run
 
-from largebatch.cli import main
-
-sys.exit(main())
+run()

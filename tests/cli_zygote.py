@@ -5,8 +5,8 @@ estimate's meta-device forward pass imports), before largebatch does anything; t
 This server imports those libraries once, then forks a child per run, as multiprocessing's forkserver does with
 its preload list: the child takes the run's working directory, environment and argv, points stdin at /dev/null
 and stdout/stderr at the caller's files, and runs `largebatch` as `python -m` does (runpy's `_run_module_as_main`),
-so it exits through the interpreter's own shutdown (atexit handlers, flushes) with the run's exit code. The run
-is a real process with a pid of its own; it starts its workers, studies and launchers as any run does.
+so it exits as the program does (`largebatch.cli.exit_now`) with the run's exit code. The run is a real process
+with a pid of its own; it starts its workers, studies and launchers as any run does.
 
 largebatch itself is not preloaded (it reads its environment when it imports): every run imports it afresh.
 A run whose environment differs from this server's in a variable that the preloaded libraries read when they
@@ -29,10 +29,14 @@ PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed.run")
 # numpy's BLAS and torch read at start-up or import
 IMPORT_TIME = ("PYTHON", "OMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_", "LC_", "LANG", "TMPDIR", "HOME", "OPENBLAS",
                "MKL", "KMP", "GOMP", "NUMPY", "TZ")
+# read when used, not at import, and written into os.environ by torch itself: inductor's first compile in a pytest
+# worker (an in-process torch.compile test) sets TORCHINDUCTOR_CACHE_DIR there, after which every run of that worker
+# started cold and test_warm_starts, placed after such a file, failed (the server's environment lacked it)
+READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in READ_WHEN_USED}
 
 
 def _die_with_parent() -> None:
