@@ -119,6 +119,16 @@ def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
     return proc
 
 
+def fmnist_copy(dest: Path) -> Path:
+    """A copy of the Debian Fashion-MNIST files in the new folder `dest`, for a test to damage; `dest`."""
+    import shutil
+
+    dest.mkdir()
+    for f in FMNIST.iterdir():
+        shutil.copy(f, dest / f.name)
+    return dest
+
+
 def user_error(proc, *fragments):
     """A CompletedProcess that exited 2 with one `largebatch: error:` line holding every fragment, no traceback."""
     assert proc.returncode == 2, proc.stderr

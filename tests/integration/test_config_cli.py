@@ -1,9 +1,8 @@
 """Bad config, data and command lines through the real command line (a subprocess): one sentence, exit 2, nothing lost."""
 import gzip
 import json
-import shutil
 
-from conftest import FMNIST
+from conftest import fmnist_copy
 from test_config import _assert_user_error  # the helpers of its unit tests, one copy
 
 
@@ -26,10 +25,7 @@ def test_cli_bad_inputs(cli, tmp_path):
 def test_missing_and_truncated_dataset(cli, tmp_path):
     _assert_user_error(cli("train", "--set", f"data.root={tmp_path / 'nowhere'}", "--dry-run"),
                        "apt-get install -y dataset-fashion-mnist")
-    root = tmp_path / "fm"
-    root.mkdir()
-    for f in FMNIST.iterdir():
-        shutil.copy(f, root / f.name)
+    root = fmnist_copy(tmp_path / "fm")
     data = gzip.decompress((root / "train-images-idx3-ubyte.gz").read_bytes())
     (root / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(data[: len(data) // 2], compresslevel=1))
     _assert_user_error(cli("train", "--set", f"data.root={root}", "--dry-run"), "train-images-idx3-ubyte")

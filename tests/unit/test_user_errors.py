@@ -3,14 +3,13 @@ traceback, and nothing already written lost or left corrupt. Most cases run the 
 process (`largebatch.cli.main`); the ones that need workers or a full disk run for real."""
 import gzip
 import json
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import FMNIST
+from conftest import fmnist_copy
 from PIL import Image
 
 from largebatch import cli as cli_mod
@@ -206,10 +205,7 @@ def test_data_roots(main, tmp_path):
     _expect(main("train", "--set", f"data.root={a_file}", "--dry-run"), "is a file, not a directory")
     _expect(main("train", "--set", "data.dataset=imagefolder", "--set", f"data.root={a_file}", "--dry-run"),
             "is a file, not a directory")
-    empty = tmp_path / "fm"
-    empty.mkdir()
-    for f in FMNIST.iterdir():
-        shutil.copy(f, empty / f.name)
+    empty = fmnist_copy(tmp_path / "fm")
     raw = gzip.decompress((empty / "train-images-idx3-ubyte.gz").read_bytes())
     header = bytearray(raw[:16])
     header[4:8] = (0).to_bytes(4, "big")   # an IDX file of 0 images
