@@ -32,6 +32,7 @@ from largebatch.errors import UserError, report
 
 EXIT_STORE_LOST = 3   # step 3: this node ended because the host of the rendezvous store did (or the network failed)
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+ran_agent = False   # this process ran torch's elastic agent: it ends through Python's own exit (cli.exit_now)
 
 
 def free_port() -> int:
@@ -138,6 +139,8 @@ def rendezvous_failure(exc: Exception, torchrun_args: list[str]) -> int:
 def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
     """Run torchrun with `torchrun_args` in this process; (exit code, signal number if the agent was
     signalled, else None)."""
+    global ran_agent
+    ran_agent = True
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
@@ -187,6 +190,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from largebatch.cli import exit_now
-
-    exit_now(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

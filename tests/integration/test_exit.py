@@ -1,12 +1,15 @@
 """`largebatch.cli.exit_now`, the end of every `largebatch` process: what Python's exit does, less the finalization."""
+import os
 import subprocess
 import sys
 
 from conftest import ROOT
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # stdout block-buffered, as a user's
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, timeout=120,
+                          **({"capture_output": True} | kwargs))
 
 
 def test_exit_now_flushes_runs_atexit_handlers_and_keeps_the_code():
@@ -19,6 +22,15 @@ def test_exit_now_flushes_runs_atexit_handlers_and_keeps_the_code():
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "bufferedatexit ran\n"
     assert proc.stderr == "err, no newline"
+
+
+def test_output_that_cannot_be_written_is_an_error_not_a_success():
+    """stdout on a full disk: as Python's own exit, code 120 and a line on stderr, not 0."""
+    with open("/dev/full", "w") as full:
+        proc = _python("from largebatch.cli import exit_now\nprint('x' * 100)\nexit_now(0)\n", stdout=full,
+                       stderr=subprocess.PIPE, capture_output=False)
+    assert proc.returncode == 120, proc.stderr
+    assert proc.stderr.startswith("largebatch: error: writing the output failed") and "Traceback" not in proc.stderr
 
 
 def test_exit_now_waits_for_a_thread_that_is_still_working(tmp_path):
