@@ -116,8 +116,6 @@ def exit_now(code: int) -> NoReturn:
     A thread of ours that is still running (not a daemon) takes Python's own exit, which waits for it.
     (1) So does a process that ran torch's elastic agent (a launcher): under the suite's load one node agent of
     `emulate hosts` printed a traceback from weakref's atexit finalizers through this exit, not yet explained."""
-    import atexit
-    import contextlib
     import threading
 
     main_thread = threading.main_thread()
@@ -126,6 +124,15 @@ def exit_now(code: int) -> NoReturn:
     launch = sys.modules.get("largebatch.launch")
     if launch is not None and launch.ran_agent:
         sys.exit(code)   # (1)
+    os._exit(flush_at_exit(code))
+
+
+def flush_at_exit(code: int = 0) -> int:
+    """What Python's exit does before finalization: the atexit handlers, then stdout and stderr flushed; the exit
+    code (120 where stdout could not be written, as Python's exit gives it)."""
+    import atexit
+    import contextlib
+
     atexit._run_exitfuncs()   # what finalization runs first
     try:
         for stream in (sys.stdout, sys.__stdout__):
@@ -139,7 +146,7 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             if stream is not None:
                 stream.flush()
-    os._exit(code)
+    return code
 
 
 def _run(module_name: str, rest: list[str]) -> int:

@@ -20,9 +20,16 @@ starts one per namespaced host). What it adds to torchrun:
    codes (`emulate hosts`) reports the host's own code, which says why, and may see this one first (the host's
    process still tears down after its store is gone). Not all nodes at the rendezvous in time is a user
    error (wrong --nnodes or endpoint).
+4. Workers started warm (`_launch_warm`): for `-m largebatch` workers the agent forks each one from a
+   forkserver of this launch that imported torch once, instead of starting N interpreters that each import it
+   (about 4.5 s of CPU apiece; a restart forks again at no import). Each worker is what torchrun would start:
+   a session of its own, line-buffered output, the program's exit code, a traceback on stderr. The forkserver
+   and multiprocessing's resource tracker are stopped when the agent ends, so a launcher leaves no process
+   in its group. Any other torchrun command line (--no-python, a script) runs as torchrun runs it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -136,6 +143,37 @@ def rendezvous_failure(exc: Exception, torchrun_args: list[str]) -> int:
     return EXIT_STORE_LOST
 
 
+def _quiet_keep_alive_join() -> None:
+    """torch's rendezvous keeps itself alive with a `_PeriodicTimer` whose weakref finalizer joins the timer's
+    thread. An agent that ends by a signal leaves the timer running (torch keeps the rendezvous open for a
+    restart), and when the garbage collector happens to collect it on that very thread, the join raises
+    "cannot join current thread", which Python prints as a traceback ("Exception ignored in: <finalize
+    object; dead>") under the run's own one-line ending; the thread ends either way. This process's hook for
+    unraisable exceptions drops exactly that one and passes every other on to the hook it replaces."""
+    import os
+
+    previous = sys.unraisablehook
+    if getattr(previous, "largebatch_keep_alive", False):
+        return
+
+    def hook(unraisable) -> None:
+        torch_timer = any(f.f_code.co_name == "_stop_thread" and
+                          f.f_code.co_filename.endswith(os.path.join("elastic", "rendezvous", "utils.py"))
+                          for f in _frames(unraisable.exc_traceback))
+        if not (isinstance(unraisable.exc_value, RuntimeError) and torch_timer
+                and "cannot join current thread" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    hook.largebatch_keep_alive = True   # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
 def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
     """Run torchrun with `torchrun_args` in this process; (exit code, signal number if the agent was
     signalled, else None)."""
@@ -146,8 +184,10 @@ def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
     from torch.distributed.run import main as torchrun_main
 
     quiet_agent_logs()
+    _quiet_keep_alive_join()
     try:
-        torchrun_main(torchrun_args)
+        if not _launch_warm(torchrun_args):
+            torchrun_main(torchrun_args)
     except SystemExit as exc:   # torchrun exits through sys.exit
         return int(exc.code or 0), None
     except (RendezvousConnectionError, RendezvousTimeoutError, DistNetworkError) as exc:
@@ -163,6 +203,131 @@ def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
             return failed_exit_code(exc), None
         raise
     return 0, None
+
+
+# Step 4: what the forkserver imports once, before it forks each worker (not largebatch: it reads its environment
+# when it imports, and a worker's environment is set after the fork)
+WORKER_PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.multiprocessing")
+
+
+def _launch_warm(torchrun_args: list[str]) -> bool:
+    """Step 4: run torchrun's agent with `-m largebatch ARGS` workers forked from a forkserver that imported torch
+    once (`WORKER_PRELOAD`); False (nothing run) for any other torchrun command line, which torchrun runs as given.
+    The forkserver is this launch's own: started at the first worker, with this process's environment and output,
+    and stopped when the agent has ended."""
+    import multiprocessing
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(torchrun_args)
+    if (args.no_python or not args.module or args.training_script != "largebatch" or args.standalone
+            or args.rdzv_backend == "static"):
+        return False
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    try:
+        elastic_launch(config=config, entrypoint=worker)(list(args.training_script_args))
+    finally:
+        _stop_forkserver(sys.exc_info()[1])
+    return True
+
+
+def _stop_forkserver(exc: BaseException | None) -> None:
+    """The end of `_launch_warm`: the forkserver and multiprocessing's resource tracker, both children of this
+    process in its process group, stopped and waited for, so that this launcher leaves no process behind
+    when it exits (the tracker would otherwise end only after this process). First the agent's semaphores
+    are released (their finalizers unlink them and tell the tracker; a tracker stopped before that unlinks them
+    itself and warns of a leak): the frames of an exception on its way out (ChildFailedError, a signal)
+    still hold the agent, so their locals are cleared, as `traceback.clear_frames` does for that purpose."""
+    import gc
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    import traceback
+
+    if exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    multiprocessing.forkserver._forkserver._stop()   # type: ignore[attr-defined]
+    multiprocessing.resource_tracker._resource_tracker._stop()   # type: ignore[attr-defined]
+
+
+def worker(argv: list[str]) -> None:
+    """A worker of `_launch_warm`, in the process the forkserver forked for it: `python -u -m largebatch ARGV` as
+    torchrun would start it. Its own session (torchrun's start_new_session: a Ctrl-C reaches the agent, which
+    stops the workers), line-buffered output (-u), an unexpected exception's traceback on stderr and exit code 1,
+    and the program's exit (`cli.exit_now`) for any other code than 0. Exit code 0 returns instead: torch's
+    agent counts a worker done when its return value has arrived, which happens after this returns (the
+    process then ends with os._exit, without the interpreter's finalization)."""
+    import os
+    import traceback
+
+    os.setsid()
+    _drop_forkserver_fds()
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    from largebatch import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:   # argparse's --help; any other value as Python's exit gives it
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+            code = 1
+        else:
+            code = exc.code or 0
+    except BaseException:   # noqa: BLE001 - what an uncaught exception does to a program: traceback, code 1
+        traceback.print_exc()
+        code = 1
+    if code:
+        cli.exit_now(code)
+    cli.flush_at_exit()
+    _end_after_return()
+
+
+def _end_after_return() -> None:
+    """After a worker's function has returned (code 0), torch's `_wrap` sends the return value to the agent
+    through a SimpleQueue, which writes it into a pipe before `put` returns, then waits on an Event for the agent
+    to say it has read every worker's value. That wait is for queues with a feeder thread; after a SimpleQueue's
+    put the value outlives the process (the agent reads it from the pipe and counts the worker done by its exit
+    code). An agent that is stopping its workers (it was signalled; a peer failed) or that died never sets the
+    Event: its workers waited out the agent's 30 s close and were SIGKILLed. So the process ends (code 0, its work
+    done and flushed) as `_wrap` calls that Event's wait, from a profile hook on the main thread: at the call,
+    before the wait takes the Event's process-shared locks (a process that ends inside multiprocessing's
+    Condition.wait leaves its lock or its sleeper count taken, and the agent's Event.set blocks for ever)."""
+    import os
+
+    def hook(frame, event, arg) -> None:
+        if event != "call" or frame.f_code.co_name != "wait":
+            return
+        caller = frame.f_back
+        if (frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py"))
+                and caller is not None and caller.f_code.co_name == "_wrap"
+                and caller.f_code.co_filename.endswith(os.path.join("elastic", "multiprocessing", "api.py"))):
+            os._exit(0)
+
+    sys.setprofile(hook)
+
+
+def _drop_forkserver_fds() -> None:
+    """In a worker: close what the forkserver hands every process it forks, the write end of its "alive" pipe
+    and multiprocessing's resource tracker's pipe. While a worker held them, a SIGKILLed launcher left the
+    forkserver waiting for that pipe to close, so the workers' parent never died and `rundir.watch_parent`
+    never stopped them; a worker needs neither (it starts no process through the forkserver)."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    import os
+
+    server, tracker = multiprocessing.forkserver._forkserver, multiprocessing.resource_tracker._resource_tracker
+    for owner, name in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
+        fd = getattr(owner, name, None)
+        if isinstance(fd, int):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            setattr(owner, name, None)
 
 
 def main(argv: list[str]) -> int:

@@ -101,8 +101,7 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
         assert launcher.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+    workers = _workers_of(launcher.pid)
     assert len(workers) == 2
     launcher.kill()
     launcher.wait()
@@ -115,6 +114,57 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
     assert not (run / "summary.json").exists()
     cli("train", *TINY, "--set", "schedule.epochs=40", "--set", "train.max_steps=8", "--run-dir", run,
         "--resume", check=True)
+
+
+def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_launch_by_itself(tmp_path):
+    """A launch's workers are forked from a forkserver of its own that imported torch once (launch._launch_warm),
+    each in a session of its own as torchrun starts them. SIGTERM to the launcher: the workers stop at a step
+    boundary with a checkpoint and end by themselves (torch's agent SIGKILLs a worker still there 30 s after
+    its SIGTERM: a finished worker used to wait for the agent there), exit 143, and nothing of the launch is left
+    in its process group."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
+                                 "--set", "train.log_every=1", "--nproc-per-node", "2", "--run-dir", str(run)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    deadline = time.monotonic() + 150
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+        time.sleep(0.1)
+    workers = _workers_of(launcher.pid)
+    assert len(workers) == 2
+    servers = {_ppid(pid) for pid in workers}
+    assert len(servers) == 1 and _ppid(next(iter(servers))) == launcher.pid
+    server_argv = Path(f"/proc/{next(iter(servers))}/cmdline").read_bytes().decode()
+    assert "multiprocessing.forkserver" in server_argv and "'torch'" in server_argv
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, err[-3000:]
+    assert time.monotonic() - started < 30, "a worker waited for the agent until its SIGKILL"
+    if "checkpoint written" not in err or "Traceback" in err:
+        pytest.fail(f"the launcher's stderr:\n{err[-6000:]}")   # whole, not an assertion's shortened diff
+    with pytest.raises(ProcessLookupError):   # no forkserver, resource tracker or worker left in the group
+        os.killpg(launcher.pid, 0)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _workers_of(launcher: int) -> list[int]:
+    """The launcher's workers: its descendants that lead a session of their own (each worker calls setsid, as
+    torchrun starts them; they are children of the launcher's forkserver, which does not)."""
+    table = [line.split() for line in subprocess.run(["ps", "-e", "-o", "pid=,ppid=,sid="], capture_output=True,
+                                                     text=True, check=True).stdout.splitlines()]
+    family, grew = {launcher}, True
+    while grew:
+        more = {int(pid) for pid, ppid, _ in table if int(ppid) in family}
+        grew = not more <= family
+        family |= more
+    return sorted(int(pid) for pid, _, sid in table if int(pid) in family and pid == sid and int(pid) != launcher)
 
 
 def _alive(pid: int) -> bool:

@@ -174,3 +174,47 @@ def test_nonfinite_steps_are_skipped_counted_then_abort(tmp_path, monkeypatch):
         trainer.fit()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items()
                if "num_batches" not in k and "running" not in k)   # no step was applied
+
+
+def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
+    """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
+    signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the
+    agent's hook (launch._quiet_keep_alive_join) drops; any other unraisable exception reaches the hook before."""
+    import sys
+    import weakref
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    from largebatch import launch
+
+    seen, before = [], sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        launch._quiet_keep_alive_join()
+        holder: dict = {}
+
+        def drop_the_timer_here() -> None:   # on the timer's thread: its last reference goes, its finalizer runs
+            holder.pop("timer", None)
+
+        timer = _PeriodicTimer(timedelta(seconds=0.01), drop_the_timer_here)
+        timer.start()
+        thread = timer._thread
+        holder["timer"] = timer
+        del timer
+        thread.join(10)
+        assert not thread.is_alive() and not holder
+
+        class Other:
+            pass
+
+        def fails() -> None:
+            raise RuntimeError("cannot join current thread")   # the same words from elsewhere: passed on
+
+        other = Other()
+        weakref.finalize(other, fails)
+        del other
+        assert [type(u.exc_value) for u in seen] == [RuntimeError]
+        assert all("_stop_thread" not in str(u.exc_traceback.tb_frame.f_code) for u in seen)
+    finally:
+        sys.unraisablehook = before
