@@ -271,6 +271,7 @@ def worker(argv: list[str]) -> None:
             reconfigure(line_buffering=True)
     from largebatch import cli
 
+    sys.argv = [os.path.join(os.path.dirname(cli.__file__), "__main__.py"), *argv]   # as `python -m largebatch`
     try:
         code = cli.main(argv)
     except SystemExit as exc:   # argparse's --help; any other value as Python's exit gives it

@@ -17,6 +17,8 @@ def test_bench_cli_runs_two_workers(tmp_path) -> None:
                    "--algorithms", "ring", "halving_doubling", "--json", out, "--plot", png, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
+    # written by a worker (forked from the launch's forkserver): the command as the user gave it, less --nproc
+    assert data["command"].startswith("largebatch bench allreduce --sizes 4KB,64KB --iters 2"), data["command"]
     assert {(r["algorithm"], r["bytes"]) for r in data["rows"]} == {
         (a, b) for a in ("native", "ring", "halving_doubling") for b in (4096, 65536)}
     for r in data["rows"]:
