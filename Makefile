@@ -70,7 +70,7 @@ $(ECO_STAMP): pyproject.toml
 # In that environment: the tests of timm:/torchvision: models (marked library) and the oracles (tests/unit/test_oracles.py:
 # largebatch's ResNets against torchvision's, LARS/LAMB against timm's, the JPEG crop against torchvision's).
 # LARGEBATCH_REQUIRE_LIBRARIES=1 turns their skip where timm or torchvision does not import into a failure.
-# 17 tests, 2 min 40-50 s on 2 workers beside another job using both cores (2 min of CPU; most of it the 11
+# 18 tests, 2 min 40-50 s on 2 workers beside another job using both cores (2 min of CPU; most of it the 11
 # `largebatch` processes of the library tests, each importing torch, torchvision and timm).
 ECO_TESTS ?= tests/integration/test_any_model.py tests/unit/test_oracles.py
 ECO_WORKERS ?= 2

@@ -318,3 +318,33 @@ def test_examples_own_loop_runs_on_2_gloo_processes(tmp_path):
     line = proc.stdout.strip().splitlines()[-1]
     first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
     assert line.startswith("world 2, global batch 32") and last < first, line
+
+
+@pytest.mark.library
+def test_the_worker_forkservers_preload_leaves_the_cuda_driver_untouched_on_a_cuda_build():
+    """Workers fork from a forkserver that imported launch.WORKER_PRELOAD (launch._launch_warm). CUDA cannot be
+    initialised in a process forked from one that initialised it, so on a CUDA build of torch (the eco stack's)
+    that import must call none of torch's CUDA entry points; checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from largebatch.launch import WORKER_PRELOAD
+
+    if torch.version.cuda is None:
+        if os.environ.get("LARGEBATCH_REQUIRE_LIBRARIES"):
+            pytest.fail("make test-eco's torch is a CUDA build; this one is not")
+        pytest.skip("this torch is a CPU build (no CUDA entry points); make test-eco runs it on a CUDA build")
+    script = f"""
+import torch
+calls = []
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_isDriverSufficient", "_cuda_getDevice", "_cuda_getArchFlags"):
+    f = getattr(torch._C, name, None)
+    if f is not None:
+        setattr(torch._C, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+for module in {list(WORKER_PRELOAD)!r}:
+    __import__(module)
+print(sorted(set(calls)), torch.cuda.is_initialized())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[] False", out.stdout
