@@ -139,17 +139,12 @@ def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
 
 _stuck_threads: list[str] = []
 _had_group = False   # this process created a process group (set by `init`)
+returns_to_agent = False   # a worker forked by the launcher's forkserver (launch.worker): code 0 returns to the agent
 
 
 def note_stuck_thread(name: str) -> None:
     """Record a thread of ours that did not end when joined (e.g. inside a collective with a dead peer)."""
     _stuck_threads.append(name)
-
-
-def _in_multiprocessing_child() -> bool:
-    import multiprocessing
-
-    return multiprocessing.parent_process() is not None
 
 
 def end_process(code: int, ran_group: bool = False) -> None:
@@ -166,14 +161,13 @@ def end_process(code: int, ran_group: bool = False) -> None:
     before this point; nothing is left for finalization to do. Returns (normal exit) otherwise.
     `ran_group`: the caller ran a process group of its own (a training loop of yours with DDP on gloo,
     examples/own_loop.py): the same exit, after your own files are closed (atexit handlers do not run).
-    In a process that multiprocessing started (a worker forked by the launcher's forkserver, `launch.worker`)
-    code 0 returns: such a process ends with os._exit once its function has returned, without finalization, and
-    the agent counts the worker done only when its return value has arrived (an exit before it would hang the
+    In a worker forked by the launcher's forkserver (`launch.worker`, `returns_to_agent`) code 0 returns: such a
+    process ends with os._exit once its function has returned, without finalization, and the agent counts the worker done only when its return value has arrived (an exit before it would hang the
     agent); our threads that may be stuck are daemons, which that exit does not wait for.
     """
     if not (_stuck_threads or _had_group or ran_group):
         return
-    if code == 0 and _in_multiprocessing_child():
+    if code == 0 and returns_to_agent:
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -34,6 +34,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 
 from largebatch.errors import UserError, report
 
@@ -207,7 +208,8 @@ def run_agent(torchrun_args: list[str]) -> tuple[int, int | None]:
 
 # Step 4: what the forkserver imports once, before it forks each worker (not largebatch: it reads its environment
 # when it imports, and a worker's environment is set after the fork)
-WORKER_PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.multiprocessing")
+WORKER_PRELOAD = ("largebatch.forkserver_session", "numpy", "torch", "torch._dynamo", "torch.distributed",
+                  "torch.distributed.elastic.multiprocessing")
 
 
 def _launch_warm(torchrun_args: list[str]) -> bool:
@@ -216,11 +218,14 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
     The forkserver is this launch's own: started at the first worker, with this process's environment and output,
     and stopped when the agent has ended."""
     import multiprocessing
+    import tempfile
 
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
     args = parse_args(torchrun_args)
+    if len(tempfile.gettempdir()) > 64:   # the forkserver's socket, TMPDIR/pymp-*/listener-*, must fit sun_path
+        return False
     if (args.no_python or not args.module or args.training_script != "largebatch" or args.standalone
             or args.rdzv_backend == "static"):
         return False
@@ -265,12 +270,14 @@ def worker(argv: list[str]) -> None:
 
     os.setsid()
     _drop_forkserver_fds()
+    _name_worker()
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    from largebatch import cli
+    from largebatch import cli, dist
 
+    dist.returns_to_agent = True
     sys.argv = [os.path.join(os.path.dirname(cli.__file__), "__main__.py"), *argv]   # as `python -m largebatch`
     try:
         code = cli.main(argv)
@@ -285,8 +292,28 @@ def worker(argv: list[str]) -> None:
         code = 1
     if code:
         cli.exit_now(code)
-    cli.flush_at_exit()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # torch's _wrap would take a KeyboardInterrupt now for exit 0
+    for thread in threading.enumerate():   # as Python's exit: a running thread of ours is waited for
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    code = cli.flush_at_exit()
+    if code:
+        os._exit(code)
     _end_after_return()
+
+
+WORKER_NAME = "lb-w{rank}-r{attempt}"   # the worker's process name (/proc/PID/comm, 15 characters at most)
+
+
+def _name_worker() -> None:
+    """Name this worker's process after its rank and restart attempt (what `ps` and `largebatch chaos` read):
+    a forked worker's environment is set after it started, so /proc/PID/environ does not show its RANK."""
+    import ctypes
+    import os
+
+    name = WORKER_NAME.format(rank=os.environ.get("RANK", "?"), attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)   # PR_SET_NAME
 
 
 def _end_after_return() -> None:

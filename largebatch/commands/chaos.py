@@ -82,9 +82,23 @@ def _workers(launcher: int) -> dict[int, tuple[int, int]]:
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
         except OSError:
             continue
-        if "TORCHELASTIC_RESTART_COUNT" in env and "RANK" in env:
+        if "TORCHELASTIC_RESTART_COUNT" in env and "RANK" in env:   # a worker torchrun started
             found[pid] = (int(env["RANK"]), int(env["TORCHELASTIC_RESTART_COUNT"]))
+            continue
+        named = _WORKER_NAME.match(_comm(pid))   # a worker forked by the launch's forkserver (launch.WORKER_NAME)
+        if named:
+            found[pid] = (int(named["rank"]), int(named["attempt"]))
     return found
+
+
+_WORKER_NAME = re.compile(r"^lb-w(?P<rank>\d+)-r(?P<attempt>\d+)$")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _train_lines(metrics: Path) -> int:

@@ -118,7 +118,8 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
 
 def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_launch_by_itself(tmp_path):
     """A launch's workers are forked from a forkserver of its own that imported torch once (launch._launch_warm),
-    each in a session of its own as torchrun starts them. SIGTERM to the launcher: the workers stop at a step
+    each in a session of its own as torchrun starts them, named after its rank (what `largebatch chaos` reads), the
+    forkserver in a session of its own (a signal to the launcher's group does not end it). SIGTERM to the launcher: the workers stop at a step
     boundary with a checkpoint and end by themselves (torch's agent SIGKILLs a worker still there 30 s after
     its SIGTERM: a finished worker used to wait for the agent there), exit 143, and nothing of the launch is left
     in its process group."""
@@ -131,12 +132,17 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
         time.sleep(0.1)
+    from largebatch.commands.chaos import _workers
+
+    assert sorted(_workers(launcher.pid).values()) == [(0, 0), (1, 0)]   # (rank, restart attempt) by process name
     workers = _workers_of(launcher.pid)
-    assert len(workers) == 2
+    assert all(os.getsid(pid) == pid for pid in workers)   # each in a session of its own, as torchrun starts them
     servers = {_ppid(pid) for pid in workers}
     assert len(servers) == 1 and _ppid(next(iter(servers))) == launcher.pid
     server_argv = Path(f"/proc/{next(iter(servers))}/cmdline").read_bytes().decode()
     assert "multiprocessing.forkserver" in server_argv and "'torch'" in server_argv
+    server = next(iter(servers))   # out of the launcher's group: a signal to the group does not end it
+    assert os.getsid(server) == server != os.getsid(launcher.pid)
     started = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
@@ -155,16 +161,10 @@ def _ppid(pid: int) -> int:
 
 
 def _workers_of(launcher: int) -> list[int]:
-    """The launcher's workers: its descendants that lead a session of their own (each worker calls setsid, as
-    torchrun starts them; they are children of the launcher's forkserver, which does not)."""
-    table = [line.split() for line in subprocess.run(["ps", "-e", "-o", "pid=,ppid=,sid="], capture_output=True,
-                                                     text=True, check=True).stdout.splitlines()]
-    family, grew = {launcher}, True
-    while grew:
-        more = {int(pid) for pid, ppid, _ in table if int(ppid) in family}
-        grew = not more <= family
-        family |= more
-    return sorted(int(pid) for pid, _, sid in table if int(pid) in family and pid == sid and int(pid) != launcher)
+    """The launcher's workers, as `largebatch chaos` finds them (by rank: a forked worker's process name)."""
+    from largebatch.commands.chaos import _workers
+
+    return sorted(_workers(launcher))
 
 
 def _alive(pid: int) -> bool:
