@@ -240,9 +240,10 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
 
 
 def _stop_forkserver(exc: BaseException | None) -> None:
-    """The end of `_launch_warm`: the forkserver and multiprocessing's resource tracker, both children of this
-    process in its process group, stopped and waited for, so that this launcher leaves no process behind
-    when it exits (the tracker would otherwise end only after this process). First the agent's semaphores
+    """The end of `_launch_warm`: the forkserver (a child of this process, in a session of its own) and
+    multiprocessing's resource tracker (a child in this process's group) stopped and waited for, so that this
+    launcher leaves no process behind when it exits (the tracker would otherwise end only after this process,
+    and an orphan is reaped only when the host's init reaps it). First the agent's semaphores
     are released (their finalizers unlink them and tell the tracker; a tracker stopped before that unlinks them
     itself and warns of a leak): the frames of an exception on its way out (ChildFailedError, a signal)
     still hold the agent, so their locals are cleared, as `traceback.clear_frames` does for that purpose."""
