@@ -97,30 +97,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> NoReturn:
-    """The `largebatch` program (its console script and `python -m largebatch`): `main`, then `exit_now`."""
+    """The `largebatch` program (its console script and `python -m largebatch`): `command_code`, then `exit_now`."""
+    exit_now(command_code(argv))
+
+
+def command_code(argv: list[str] | None = None) -> int:
+    """`main`'s exit code, argparse's SystemExit included (--help: 0); a SystemExit with a message is raised on."""
     try:
-        code = main(argv)
-    except SystemExit as exc:   # argparse's --help (0); any other value takes Python's own exit
+        return main(argv)
+    except SystemExit as exc:
         if exc.code is not None and not isinstance(exc.code, int):
             raise
-        code = exc.code or 0
-    exit_now(code)
+        return exc.code or 0
 
 
 def exit_now(code: int) -> NoReturn:
-    """End the process with `code` the way Python's exit does (its other threads, if any, waited for; the atexit
-    handlers run; stdout and stderr flushed), without the interpreter's finalization: with torch imported,
-    tearing down its thousands of modules and objects took 0.5-1 s of CPU after the command had finished (about
+    """End the process with `code` the way Python's exit does (`flush_at_exit`: our running threads waited for, the
+    atexit handlers run, stdout and stderr flushed), without the interpreter's finalization: with torch imported,
+    tearing down its thousands of modules and objects costs 0.5-1 s of CPU after the command has finished (about
     1 s in a process forked from one that imported torch: every object it touches is copied). Everything a
     command writes is closed by then; a process that ran a process group has ended before this (`dist.end_process`).
-    A thread of ours that is still running (not a daemon) takes Python's own exit, which waits for it.
-    (1) So does a process that ran torch's elastic agent (a launcher): under the suite's load one node agent of
-    `emulate hosts` printed a traceback from weakref's atexit finalizers through this exit, not yet explained."""
-    import threading
-
-    main_thread = threading.main_thread()
-    if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        sys.exit(code)
+    (1) A process that ran torch's elastic agent (a launcher) takes Python's own exit: under the suite's load one
+    node agent of `emulate hosts` printed a traceback from a weakref finalizer through this exit, not explained
+    (`launch._quiet_keep_alive_join` is one such source)."""
     launch = sys.modules.get("largebatch.launch")
     if launch is not None and launch.ran_agent:
         sys.exit(code)   # (1)
@@ -128,10 +127,16 @@ def exit_now(code: int) -> NoReturn:
 
 
 def flush_at_exit(code: int = 0) -> int:
-    """What Python's exit does before finalization: the atexit handlers, then stdout and stderr flushed; the exit
-    code (120 where stdout could not be written, as Python's exit gives it)."""
+    """What Python's exit does before finalization: our running (non-daemon) threads waited for, the atexit
+    handlers run, then stdout and stderr flushed; the exit code (120 where stdout could not be written, as Python's
+    exit gives it)."""
     import atexit
     import contextlib
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
 
     atexit._run_exitfuncs()   # what finalization runs first
     try:
