@@ -41,7 +41,7 @@ def machine(device) -> str:
     version = torch.__version__.split("+")[0]
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {version}"
-    model, flags = platform.processor() or "CPU", set()
+    model, flags = "", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -49,6 +49,7 @@ def machine(device) -> str:
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
+    model = model or platform.processor() or "CPU"   # platform.processor runs `uname -p`: only without cpuinfo's
     noted = " ".join(f for f in FLAGS_OF_NOTE if f in flags) or "none of " + " ".join(FLAGS_OF_NOTE)
     gpu = "GPU not used" if torch.cuda.is_available() else "no GPU"
     return f"{model} (flags: {noted}), {len(os.sched_getaffinity(0))} cores, {gpu}, torch {version}"

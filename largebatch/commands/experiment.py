@@ -13,6 +13,7 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
         set: {model.width: 8, schedule.decay: poly}      # --set KEY=VALUE, in this order
         opt_set: {sgd: {schedule.warmup_epochs: 5/90 run}}  # --opt-set OPT:KEY=VALUE
         lr_grid: {sgd: [0.125, 0.25]}                  # batch-scaling: --lr-grid OPT:LR,...; the others: a list
+        protocol: {optimizers: {lars: {...}}, claims: [...]}   # --protocol: keys in place of the package's
         from_tuning: ["{out}/tune"]                     # "{out}": this experiment's OUT
       - name: restarts
         optional: true       # run only when named by --only
@@ -24,7 +25,11 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
    study kind that does not exist, or a setting its study does not take (checked against the study's own flags).
 2. Budget-independent units: a value "A/B run" is that fraction of the study's `epochs`, rounded to 3 decimals
    (warm-up 5/90 run is 1.333 epochs of a 24-epoch study and 0.444 of an 8-epoch tuning), so one protocol
-   states its schedule once for every budget; learning rates are per `optim.reference_batch` (256) images.
+   states its schedule once for every budget (in `set`, `opt_set` and the protocol's optimizer settings);
+   learning rates are per `optim.reference_batch` (256) images. A study's `protocol` (the study kind's keys:
+   its optimizers or variants, its claims with their rules, `largebatch/commands/study/protocol.yaml`) is
+   checked here, with the file and key named, and passed to the study as --protocol; a study without one runs
+   the package's.
 3. Paths: a relative path in the file is relative to the file's directory; "{out}/NAME" is inside OUT, as --out
    gives it. A study taken `from` another file keeps that file's paths: relative to its directory, and "{out}"
    there is the `out` given with `from` (relative to this file: where that experiment ran), else this OUT.
@@ -33,6 +38,7 @@ Runs an experiment written as data (experiments/*.yaml): its studies in order, e
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 from fractions import Fraction
@@ -144,6 +150,8 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
                 raise UserError(f"{here} must map each optimizer to a mapping of section.key to value, got {value!r}.")
             argv += [x for opt, sets in value.items() for k, v in sets.items()
                      for x in (flag, f"{opt}:{k}={_text(_number(v, epochs, f'{here}.{opt}.{k}'))}")]
+        elif key == "protocol":
+            argv += [flag, json.dumps(_protocol(kind, value, epochs, here), separators=(",", ":"))]
         elif key == "lr_grid" and kind == "batch-scaling":
             if not isinstance(value, dict):
                 raise UserError(f"{here} must map each optimizer to a list of lrs, got {value!r}.")
@@ -165,6 +173,19 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
         else:
             argv += [flag, _text(_number(value, epochs, here))]
     return kind, argv
+
+
+def _protocol(kind: str, value: Any, epochs: float | None, where: str) -> dict:
+    """A study's `protocol`: its optimizer settings' "A/B run" values as epochs, then checked as the study will
+    check it (`protocol.of`), so that a mistake names this file and key."""
+    from largebatch.commands.study import protocol
+
+    if isinstance(value, dict) and isinstance(value.get("optimizers"), dict):
+        value = {**value, "optimizers": {
+            name: {k: _number(v, epochs, f"{where}.optimizers.{name}.{k}") for k, v in sets.items()}
+            if isinstance(sets, dict) else sets for name, sets in value["optimizers"].items()}}
+    protocol.of(kind, value, where)
+    return value
 
 
 def _path(text: str, out: Path, base: Path) -> str:

@@ -4,7 +4,8 @@ directory under OUT/runs, summarised into OUT/study.json, study.md and study.png
 never on the test set (a tuning study, then a final one at the lrs it chose).
 
 One module per job:
-  protocol.py   the protocol as data: optimizer settings, variants, figures, the claims and their rules
+  protocol.py   the protocol as data (protocol.yaml, and a study's --protocol): optimizer settings, variants,
+                the claims and their rules; the figures a row gives beyond top-1
   kinds.py      the kinds, one table: flags, groups, table shape, claims, how study.md and study.png show them
   plan.py       steps 1-2: groups, lrs, cells, each cell's --set list, the check before anything trains
   tuning.py     --from-tuning: the lrs tuning studies chose

@@ -4,8 +4,8 @@ is shaped and shown, and which claims it judges (`protocol.py`). The runner (`ru
 - batch-scaling: top-1 against global batch per optimizer at a fixed epoch budget, the shape of Goyal et al.'s
   error-vs-minibatch figure and You et al.'s LARS tables. Every cell trains the same recipe for the same --epochs;
   a batch whose per-worker share exceeds --micro-batch accumulates. "sgd" is Goyal's recipe (momentum SGD, linear
-  scaling rule, gradual warm-up from the unscaled lr); "lars" and "lamb" take `protocol.OPTIMIZERS`' settings,
-  which --opt-set OPT:section.key=value overrides. The claims: each against SGD at the smallest batch.
+  scaling rule, gradual warm-up from the unscaled lr); "lars" and "lamb" take their settings in the protocol
+  (`protocol.yaml`), which --opt-set OPT:section.key=value overrides. The claims: each against SGD at the smallest batch.
 - batch-control (Sony, Mikami et al.): `fixed` trains at --batch for the whole budget; `control` trains at
   --start-batch for --switch-epochs, then at --batch. The claim: control is above fixed, beyond the seeds' spread.
 - ensemble (Codreanu et al.): `single` trains one model for --epochs; `ensemble` spends the same --epochs as a
@@ -15,13 +15,14 @@ is shaped and shown, and which claims it judges (`protocol.py`). The runner (`ru
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from largebatch.cli import ArgumentParser
 from largebatch.commands.study import plan, protocol, tables
-from largebatch.commands.study.protocol import Claim, Figure
+from largebatch.commands.study.protocol import Figure, Protocol
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class Kind:
     row_word: str                            # a tuning table's row in a sentence
     top1: dict[str, str]                     # a variant whose top-1 is another cell key
     figures: tuple[Figure, ...]              # a row's figures beyond top-1
-    claims: tuple[Claim, ...]
-    baseline: dict[str, object] | None       # what a claim without `against` is measured against
+    protocol: Protocol                       # its optimizers or variants and its claims (a study's --protocol:
+                                             # the runner's copy of the kind carries that one)
     claims_listed: bool                      # the verdicts beside the table (study.json "claims"), else in it
     settings: tuple[str, ...]                # study_settings.json: the flags a resumed study repeats
     meta: tuple[str, ...]                    # study.json's head ("settings": those)
@@ -52,7 +53,9 @@ class Kind:
 
 _SCALING_FLAGS = (
     ("--batches", dict(default="256,1024,4096,8192,16384", help="comma-separated global batches")),
-    ("--optimizers", dict(default="sgd,lars,lamb", help=f"comma-separated, of {', '.join(protocol.OPTIMIZERS)}")),
+    ("--optimizers", dict(default="sgd,lars,lamb", help=f"comma-separated, of the protocol's "
+                                                                 f"({', '.join(protocol.default('batch-scaling').optimizers)} "
+                                                                 "in the package's)")),
     ("--opt-set", dict(action="append", default=[], metavar="OPT:SECTION.KEY=VALUE",
                        help="override a key for one optimizer's cells, e.g. lars:optim.lr=4")),
     ("--claims-only", dict(action="store_true",
@@ -75,9 +78,9 @@ _ENSEMBLE_FLAGS = (
                                  "--cycles, --cycle-epochs and --collapse-epochs do not apply")),
 )
 _VARIANT_SETTINGS = ("recipe", "epochs", "seeds", "nproc_per_node", "micro_batch", "val_split", "overrides", "lr_grid",
-                     "from_tuning")
+                     "from_tuning", "protocol")
 _VARIANT_KIND = dict(epochs=24.0, seeds=3, grid_per=None, layout=plan.variant_layout, axes=("variant",), every_lr=False,
-                     row_key="{variant}", row_word="for variant", baseline=None, claims_listed=False,
+                     row_key="{variant}", row_word="for variant", claims_listed=False,
                      meta=("command", "kind", "settings", "machine", "split"),
                      header="{Machines}; machine time of the finished cells: {machine_time}",
                      body=tables.variant_body, chart=tables.variant_chart)
@@ -93,24 +96,32 @@ KINDS: dict[str, Kind] = {
         "batch-scaling", _about("batch-scaling"), _SCALING_FLAGS, epochs=None, seeds=1, grid_per="optimizer",
         layout=plan.scaling_layout,
         axes=("batch", "optimizer"), every_lr=True, row_key="{optimizer}@{batch}", row_word="in its table row",
-        top1={}, figures=protocol.FIGURES["batch-scaling"], claims=protocol.CLAIMS["batch-scaling"],
-        baseline=protocol.BASELINE, claims_listed=True,
+        top1={}, figures=protocol.FIGURES["batch-scaling"], protocol=protocol.default("batch-scaling"),
+        claims_listed=True,
         settings=("recipe", "epochs", "nproc_per_node", "micro_batch", "overrides", "opt_set", "lr_grid", "val_split",
-                  "from_tuning"),
+                  "from_tuning", "protocol"),
         meta=("command", "settings", "seeds", "batches", "optimizers", "claims_only", "train_size", "machine"),
         header="Epochs per cell: {epochs}, seeds: {seeds}, workers per cell: {nproc_per_node}, evaluated on the "
                "{split} set, {machines}, machine time of the finished cells: {machine_time}",
         body=tables.grid_body, chart=tables.batch_chart),
     "batch-control": Kind(
         "batch-control", _about("batch-control"), _CONTROL_FLAGS, top1={}, figures=protocol.FIGURES["batch-control"],
-        claims=protocol.CLAIMS["batch-control"], settings=(*_VARIANT_SETTINGS, "batch", "start_batch", "switch_epochs"),
+        protocol=protocol.default("batch-control"),
+        settings=(*_VARIANT_SETTINGS, "batch", "start_batch", "switch_epochs"),
         **_VARIANT_KIND),   # type: ignore[arg-type]
     "ensemble": Kind(
         "ensemble", _about("ensemble"), _ENSEMBLE_FLAGS, top1=protocol.TOP1["ensemble"],
-        figures=protocol.FIGURES["ensemble"], claims=protocol.CLAIMS["ensemble"],
+        figures=protocol.FIGURES["ensemble"], protocol=protocol.default("ensemble"),
         settings=(*_VARIANT_SETTINGS, "batch", "cycles", "cycle_epochs", "collapse_epochs", "own_schedule"),
         **_VARIANT_KIND),   # type: ignore[arg-type]
 }
+
+
+def of_args(name: str, args) -> Kind:
+    """The kind as a study's flags give it: with its --protocol in place of the package's."""
+    kind = KINDS[name]
+    own = protocol.of_args(name, args)
+    return kind if own is kind.protocol else dataclasses.replace(kind, protocol=own)
 
 
 def parser(name: str) -> ArgumentParser:
@@ -127,6 +138,9 @@ def parser(name: str) -> ArgumentParser:
                    help="largest per-worker forward batch (accumulation above it)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe key in every cell (repeatable)")
+    p.add_argument("--protocol", default=None, metavar="FILE_OR_MAPPING",
+                   help=f"replace keys of the package's protocol ({', '.join(protocol.KEYS[name])}; "
+                        "largebatch/commands/study/protocol.yaml): a YAML file, or a mapping inline ('{...}')")
     p.add_argument("--val-split", type=int, default=None,
                    help="tune: hold out this many training images and evaluate every cell on them (data.val_split)")
     if kind.grid_per is None:

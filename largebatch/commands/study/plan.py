@@ -2,7 +2,7 @@
 
 1. Groups: the cells of a group differ only in lr and seed. A batch-scaling group is a (global batch, optimizer)
    of --batches x --optimizers (with --claims-only those the claims read, `claim_cells`); a variant kind's
-   group is one of its variants (`protocol.VARIANTS`, or with --own-schedule the recipe's own schedule). Each
+   group is one of its variants (the protocol's `variants`, or with --own-schedule the recipe's own schedule). Each
    group knows its cells' `largebatch train --set` list.
 2. Learning rates: a tuning study runs every lr of its --lr-grid (per optimizer, OPT:LR,..., for batch-scaling;
    one list for every variant otherwise); a final study the lr its --from-tuning studies chose for the group
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from largebatch.cli import check_numbers
-from largebatch.commands.study.protocol import BASELINE, CLAIMS, OPTIMIZERS, VARIANTS, Claim
+from largebatch.commands.study import protocol
+from largebatch.commands.study.protocol import Claim
 from largebatch.errors import UserError
 
 
@@ -92,14 +93,15 @@ def _yaml_value(v: object) -> str:
 
 
 def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = None) -> list[str]:
-    """A batch-scaling cell's --set list: --set, the optimizer's settings (`protocol.OPTIMIZERS` with its
+    """A batch-scaling cell's --set list: --set, the optimizer's settings (the protocol's `optimizers`, with its
     --opt-set), the batch and the study's keys."""
-    settings = dict(OPTIMIZERS[opt])
+    optimizers = protocol.of_args("batch-scaling", args).optimizers
+    settings = dict(optimizers[opt])
     for item in args.opt_set:
         name, _, kv = item.partition(":")
-        if name not in OPTIMIZERS or "=" not in kv:
+        if name not in optimizers or "=" not in kv:
             raise UserError(f"--opt-set {item!r} is not OPT:section.key=value with OPT one of "
-                            f"{', '.join(OPTIMIZERS)}.")
+                            f"{', '.join(optimizers)}.")
         if name == opt:
             key, _, value = kv.partition("=")
             settings[key] = value
@@ -115,10 +117,14 @@ def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = Non
     return list(args.overrides) + sets
 
 
-def claim_cells(batches: list[int], optimizers: list[str], claims: tuple[Claim, ...] = CLAIMS["batch-scaling"],
-                baseline: dict[str, object] = BASELINE) -> set[tuple[int, str]]:
+def claim_cells(batches: list[int], optimizers: list[str], claims: tuple[Claim, ...] | None = None,
+                baseline: dict[str, object] | None = None) -> set[tuple[int, str]]:
     """--claims-only: the (batch, optimizer) pairs the claims read, of those given: the baseline (its optimizer
-    at the smallest batch) and each claim's cell. Without the baseline or any claim's cell, one sentence."""
+    at the smallest batch) and each claim's cell (the package protocol's claims and baseline unless given).
+    Without the baseline or any claim's cell, one sentence."""
+    claims = protocol.default("batch-scaling").claims if claims is None else claims
+    baseline = protocol.default("batch-scaling").baseline if baseline is None else baseline
+    assert baseline is not None
     base_opt = str(baseline["optimizer"])
     if base_opt not in optimizers:
         raise UserError(f"--claims-only measures every claim against {base_opt.upper()} at the smallest batch; add "
@@ -137,11 +143,12 @@ def scaling_layout(kind, args) -> Layout:
     """batch-scaling's groups: every (batch, optimizer) of --batches x --optimizers, batch-major."""
     batches = parse_list(args.batches, "batches", int)
     optimizers = parse_list(args.optimizers, "optimizers", str)
-    bad = [o for o in optimizers if o not in OPTIMIZERS]
+    known = kind.protocol.optimizers
+    bad = [o for o in optimizers if o not in known]
     if bad:
-        raise UserError(f"--optimizers has {bad}; choose from {', '.join(OPTIMIZERS)}.")
+        raise UserError(f"--optimizers has {bad}; choose from the protocol's: {', '.join(known)}.")
     check_numbers(*[("--batches", b, b >= 1, "positive global batches") for b in batches])
-    only = claim_cells(batches, optimizers, kind.claims, kind.baseline) if args.claims_only else None
+    only = claim_cells(batches, optimizers, kind.protocol.claims, kind.protocol.baseline) if args.claims_only else None
     groups = [Group({"batch": b, "optimizer": o}, f"{o}-b{b}", f"{o} batch {b}", f"{o} at batch {b}", o,
                     partial(_scaling_sets, args, b, o))
               for b in batches for o in optimizers if only is None or (b, o) in only]
@@ -182,7 +189,7 @@ _VARIANT_CHECKS: dict[str, Callable[[Any], dict[str, Any]]] = {"batch-control": 
 
 def variants(kind: str, args) -> dict[str, list[str]]:
     """Each variant's --set list (on top of the recipe and --set): the cells' common keys, then its own
-    (`protocol.VARIANTS` formatted with the flags, or --own-schedule's)."""
+    (the protocol's `variants` formatted with the flags, or --own-schedule's)."""
     common = [f"batch.micro_batch={args.micro_batch}", "batch.accumulation=null", "train.plots=false",
               "train.eval_every=0"]
     if args.val_split:
@@ -191,7 +198,19 @@ def variants(kind: str, args) -> dict[str, list[str]]:
     if getattr(args, "own_schedule", False):
         return own_schedule(args, common)
     values = {**vars(args), **_VARIANT_CHECKS[kind](args)}
-    return {name: common + [s.format(**values) for s in sets] for name, sets in VARIANTS[kind].items()}
+    own = protocol.of_args(kind, args).variants
+    return {name: common + [_format(s, values, kind, name) for s in sets] for name, sets in own.items()}
+
+
+def _format(item: str, values: dict[str, Any], kind: str, name: str) -> str:
+    """A variant's --set item with the study's flags in place of its {fields}; a field the study has not is one
+    sentence."""
+    try:
+        return item.format(**values)
+    except (KeyError, IndexError, ValueError) as err:
+        fields = ", ".join(sorted(k for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        raise UserError(f"the protocol's variant {name!r} has the --set item {item!r}, which study {kind} cannot fill "
+                        f"({err}); use {{FIELD}} of the study's numbers ({fields}), and {{{{ }}}} for braces.") from None
 
 
 def own_schedule(args, common: list[str]) -> dict[str, list[str]]:

@@ -1,39 +1,38 @@
-"""The protocol of every study kind, as data: what each optimizer name means, each variant's --set list, the
-figures a table row gives beyond top-1, and the papers' claims with their verdict rules. `kinds.KINDS` puts them
-together with the code that reads them; nothing here runs.
+"""The protocol of every study kind, as data: each kind's optimizer settings or variants and the papers' claims
+with their verdict rules live in `protocol.yaml` beside this file; a study's --protocol (an experiment file's
+`protocol:`) replaces its keys for that study (`of`). The figures a table row gives beyond top-1 are code here,
+as the tables show them. `kinds.KINDS` puts them together with the code that reads them; nothing here runs.
 
-Batches are Fashion-MNIST's (60,000 images): x 1,281,167 / 60,000 is the ImageNet batch with the same steps per
-epoch (384 ~ 8K, 1,536 ~ 32K, 3,072 ~ 64K).
+1. Read: `protocol.yaml` (`default`), or a study's --protocol (`given`: a YAML file, or a mapping written inline,
+   as an experiment file passes it).
+2. Merge: the given keys replace the package's, `claims` and `baseline` whole, `optimizers` and `variants` name by
+   name (a name given replaces that entry, a new name adds one).
+3. Check, one sentence naming the key for anything else: the kind's keys only; optimizer and variant names that
+   can name a directory; --set items as section.key=value; each claim's row (`cell`) and `against` by the kind's
+   fields (batch and optimizer, or variant) naming an optimizer or variant of the protocol, its rule an op of
+   `OPS` with a number of points, its `also` rules naming a figure of the kind; a variant kind has one claim, read
+   against another variant; batch-scaling's baseline one of its optimizers.
 """
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
-# batch-scaling: what each optimizer name means (on top of the recipe; --opt-set OPT:KEY=VALUE overrides a key).
-OPTIMIZERS: dict[str, dict[str, object]] = {
-    "sgd": {"optim.name": "sgd", "optim.scaling_rule": "linear", "schedule.warmup_start_lr": None},
-    "lars": {"optim.name": "lars", "optim.scaling_rule": "linear", "optim.lr": 2.0,
-             "optim.trust_coefficient": 0.001, "schedule.warmup_start_lr": 0.0},
-    "lamb": {"optim.name": "lamb", "optim.scaling_rule": "sqrt", "optim.lr": 0.004,
-             "optim.weight_decay": 0.01, "schedule.warmup_start_lr": 0.0},
-}
+from largebatch.errors import UserError
 
-# The variant kinds: each variant's own --set items, formatted with the kind's flags (and `base_epochs`, the
-# ensemble's epochs before its cycles); they follow the recipe, --set and the cells' common keys.
-VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "batch-control": {
-        "fixed": ("schedule.epochs={epochs:g}", "batch.global_batch={batch}", "batch.phases=[]"),
-        "control": ("schedule.epochs={epochs:g}", "batch.global_batch={batch}",
-                    "batch.phases=[{{start_epoch: 0, global_batch: {start_batch}}}, "
-                    "{{start_epoch: {switch_epochs:g}, global_batch: {batch}}}]"),
-    },
-    "ensemble": {
-        "single": ("schedule.epochs={epochs:g}", "batch.global_batch={batch}", "batch.phases=[]", "ensemble.cycles=0"),
-        "ensemble": ("schedule.epochs={base_epochs:g}", "batch.global_batch={batch}", "batch.phases=[]",
-                     "ensemble.cycles={cycles}", "ensemble.cycle_epochs={cycle_epochs:g}",
-                     "ensemble.collapse_epochs={collapse_epochs:g}"),
-    },
-}
+PACKAGE = Path(__file__).with_name("protocol.yaml")
+OPS = (">=", ">", "<")
+# Each kind's protocol keys and the fields that name its rows (a claim's `cell` and `against`).
+KEYS: dict[str, tuple[str, ...]] = {"batch-scaling": ("optimizers", "baseline", "claims"),
+                                    "batch-control": ("variants", "claims"), "ensemble": ("variants", "claims")}
+AXES: dict[str, tuple[str, ...]] = {"batch-scaling": ("batch", "optimizer"), "batch-control": ("variant",),
+                                    "ensemble": ("variant",)}
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")   # a group's name is part of its cells' directory names (SLUG-b256-s0)
 
 
 @dataclass(frozen=True)
@@ -94,29 +93,169 @@ class Claim:
     also: tuple[Also, ...] = field(default_factory=tuple)
 
 
-WITHIN_1 = Rule(">=", -1.0)   # within 1.0 point of the baseline
-CLAIMS: dict[str, tuple[Claim, ...]] = {
-    "batch-scaling": (
-        Claim("SGD at ImageNet 8K within 1.0 point of the small-batch baseline", {"batch": 384, "optimizer": "sgd"},
-              WITHIN_1, who="Goyal et al."),
-        Claim("SGD breaks at ImageNet 64K: more than 1.0 point below", {"batch": 3072, "optimizer": "sgd"},
-              Rule("<", -1.0), who="Goyal et al."),
-        Claim("LARS at ImageNet 32K within 1.0 point of the small-batch baseline", {"batch": 1536, "optimizer": "lars"},
-              WITHIN_1, who="You et al."),
-        Claim("LAMB at ImageNet 32K within 1.0 point of the small-batch baseline", {"batch": 1536, "optimizer": "lamb"},
-              WITHIN_1, who="You et al. (LAMB)"),
-    ),
-    "batch-control": (
-        Claim("control above fixed beyond the seeds' spread", {"variant": "control"},
-              Rule(">", 0.0, beyond_spread=True), against={"variant": "fixed"}),
-    ),
-    "ensemble": (
-        Claim("ensemble >= single model and >= best snapshot + 0.3", {"variant": "ensemble"}, Rule(">=", 0.0),
-              against={"variant": "single"},
-              also=(Also("gain_over_best_snapshot", "gain over the best snapshot", "best_snapshot", Rule(">=", 0.3)),)),
-    ),
-}
+@dataclass(frozen=True)
+class Protocol:
+    """A kind's protocol: `optimizers` (batch-scaling: each name's settings), `variants` (the variant kinds: each
+    variant's --set items, formatted with the flags), the claims, and batch-scaling's `baseline`."""
+    optimizers: dict[str, dict[str, object]]
+    variants: dict[str, tuple[str, ...]]
+    claims: tuple[Claim, ...]
+    baseline: dict[str, object] | None
 
-# batch-scaling's claims are measured against this optimizer at the smallest batch that ran; a claim at that
-# batch is not judged (it has no smaller batch to be measured against).
-BASELINE: dict[str, object] = {"optimizer": "sgd"}
+
+def given(text: str) -> dict:
+    """Step 1, --protocol: a mapping written inline (it starts with "{", as an experiment file passes it), or a
+    YAML file of one."""
+    from largebatch import safeyaml
+    from largebatch.config.loading import YamlLoader, load_yaml
+
+    if text.lstrip().startswith("{"):
+        import yaml
+
+        try:
+            data = safeyaml.load(text, YamlLoader)
+        except (yaml.YAMLError, safeyaml.TooLarge):
+            raise UserError(f"--protocol {text[:60]!r} is not a YAML mapping; give a file, or a mapping such as "
+                            "'{claims: [...]}'.") from None
+        return data
+    path = Path(text)
+    if not path.is_file():
+        raise UserError(f"--protocol {text}: no such file; give a YAML file of the protocol's keys, or a mapping "
+                        "inline ('{...}').")
+    return load_yaml(path, what="protocol file")
+
+
+@lru_cache(maxsize=None)
+def _package() -> dict:
+    from largebatch.config.loading import load_yaml
+
+    return load_yaml(PACKAGE, what="protocol file")
+
+
+def of_args(kind: str, args) -> Protocol:
+    """The protocol a study's flags give: its --protocol's (`given`, then `of`), else the package's."""
+    text = getattr(args, "protocol", None)
+    return _of_text(kind, text) if text is not None else default(kind)
+
+
+@lru_cache(maxsize=8)
+def _of_text(kind: str, text: str) -> Protocol:
+    return of(kind, given(text))
+
+
+def default(kind: str) -> Protocol:
+    """The package's protocol of `kind` (`protocol.yaml`)."""
+    return of(kind)
+
+
+def of(kind: str, mapping: dict | None = None, where: str = "--protocol") -> Protocol:
+    """Steps 2-3: the package's protocol of `kind` with `mapping`'s keys in place of its own, checked."""
+    data = dict(_package()[kind])
+    if mapping is not None:
+        _check(isinstance(mapping, dict), where, f"is {_show(mapping)}; give a mapping of {', '.join(KEYS[kind])}")
+        unknown = sorted(set(map(str, mapping)) - set(KEYS[kind]))
+        _check(not unknown, f"{where}", f"has {unknown}; study {kind} takes {', '.join(KEYS[kind])}")
+        for key, value in mapping.items():
+            if key in ("optimizers", "variants"):
+                _check(isinstance(value, dict), f"{where}.{key}", f"is {_show(value)}; give a mapping of names")
+                value = {**data[key], **value}
+            data[key] = value
+    else:
+        where = str(PACKAGE)
+    return _build(kind, data, where)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check(ok: bool, where: str, problem: str) -> None:
+    if not ok:
+        raise UserError(f"{where} {problem}.")
+
+
+def _build(kind: str, data: dict, where: str) -> Protocol:
+    """Step 3: the checked Protocol of `data`."""
+    optimizers: dict[str, dict[str, object]] = {}
+    variants: dict[str, tuple[str, ...]] = {}
+    for key, table in (("optimizers", optimizers), ("variants", variants)):
+        if key not in KEYS[kind]:
+            continue
+        for name, entry in data[key].items():
+            here = f"{where}.{key}.{name}"
+            _check(isinstance(name, str) and bool(_NAME.fullmatch(name)), f"{where}.{key}",
+                   f"has the name {name!r}; give letters, digits, _ . - only (it names the cells' directories)")
+            if key == "optimizers":
+                _check(isinstance(entry, dict) and all(isinstance(k, str) and "." in k for k in entry), here,
+                       f"is {_show(entry)}; give a mapping of section.key to value, e.g. {{optim.name: lars}}")
+                _check(all(not isinstance(v, dict) for v in entry.values()), here,
+                       "has a mapping as a value; give each section.key its own value")
+                table[name] = dict(entry)   # type: ignore[assignment]
+            else:
+                _check(isinstance(entry, list) and bool(entry) and all(isinstance(s, str) and "=" in s
+                                                                         for s in entry), here,
+                       f"is {_show(entry)}; give a list of --set items, e.g. [\"batch.global_batch={{batch}}\"]")
+                table[name] = tuple(entry)   # type: ignore[assignment]
+    names = optimizers or variants
+    axes = AXES[kind]
+    figures = {f.name for f in FIGURES[kind]}
+
+    def row(value: Any, here: str) -> dict[str, object]:
+        _check(isinstance(value, dict) and set(value) == set(axes), here,
+               f"is {_show(value)}; give {{{', '.join(f'{a}: ...' for a in axes)}}}")
+        name = value["optimizer" if "optimizer" in axes else "variant"]
+        _check(name in names, here, f"names {name!r}, not one of the protocol's: {', '.join(names)}")
+        if "batch" in axes:
+            batch = value["batch"]
+            _check(isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1, here,
+                   f"has batch {batch!r}; give a positive global batch")
+        return dict(value)
+
+    def rule(value: Any, here: str) -> Rule:
+        _check(isinstance(value, dict) and {"op", "points"} <= set(value) <= {"op", "points", "beyond_spread"},
+               here, f"is {_show(value)}; give {{op: OP, points: P}} (optionally beyond_spread: true)")
+        _check(value["op"] in OPS, f"{here}.op", f"is {value['op']!r}; give one of {', '.join(OPS)}")
+        points = value["points"]
+        _check(isinstance(points, (int, float)) and not isinstance(points, bool) and math.isfinite(points),
+               f"{here}.points", f"is {points!r}; give a number of points (-1.0: one point below)")
+        spread = value.get("beyond_spread", False)
+        _check(isinstance(spread, bool), f"{here}.beyond_spread", f"is {spread!r}; give true or false")
+        return Rule(value["op"], float(points), spread)
+
+    claims_data = data["claims"]
+    _check(isinstance(claims_data, list) and bool(claims_data), f"{where}.claims",
+           f"is {_show(claims_data)}; give a list of one or more claims")
+    claims = []
+    for i, c in enumerate(claims_data):
+        here = f"{where}.claims[{i}]"
+        allowed = {"claim", "who", "cell", "rule", "against", "also"}
+        _check(isinstance(c, dict) and {"claim", "cell", "rule"} <= set(c) <= allowed, here,
+               f"is {_show(c)}; give claim, cell and rule (optionally who, against and also)")
+        _check(isinstance(c["claim"], str) and isinstance(c.get("who", ""), str), here,
+               "has a claim or who that is not text; give each as a sentence")
+        against = row(c["against"], f"{here}.against") if c.get("against") is not None else None
+        _check(against is not None or kind == "batch-scaling", here,
+               "has no against; give the variant it is measured against, e.g. against: {variant: fixed}")
+        also = c.get("also") or []
+        _check(isinstance(also, list), f"{here}.also", f"is {_show(also)}; give a list")
+        alsos = []
+        for j, a in enumerate(also):
+            there = f"{here}.also[{j}]"
+            _check(isinstance(a, dict) and set(a) == {"name", "label", "figure", "rule"}, there,
+                   f"is {_show(a)}; give name, label, figure and rule")
+            _check(a["figure"] in figures, f"{there}.figure",
+                   f"is {a['figure']!r}; give one of study {kind}'s figures: {', '.join(sorted(figures)) or 'none'}")
+            alsos.append(Also(str(a["name"]), str(a["label"]), a["figure"], rule(a["rule"], f"{there}.rule")))
+        claims.append(Claim(c["claim"], row(c["cell"], f"{here}.cell"), rule(c["rule"], f"{here}.rule"),
+                            against, c.get("who", ""), tuple(alsos)))
+    _check(kind == "batch-scaling" or len(claims) == 1, f"{where}.claims",
+           f"has {len(claims)} claims; study {kind} judges one (study.json's verdict)")
+    baseline = None
+    if "baseline" in KEYS[kind]:
+        baseline = data["baseline"]
+        _check(isinstance(baseline, dict) and set(baseline) == {"optimizer"} and baseline["optimizer"] in names,
+               f"{where}.baseline", f"is {_show(baseline)}; give {{optimizer: NAME}} with one of the protocol's "
+                                    f"optimizers ({', '.join(names)})")
+        baseline = dict(baseline)
+    return Protocol(optimizers, variants, tuple(claims), baseline)

@@ -19,8 +19,9 @@ import json
 from largebatch.cli import check_numbers
 from largebatch.commands.study.cells import Stop, check_files, run_cell, stopped
 from largebatch.commands.study.directory import SETTINGS, same_study, stored_settings, take_out, write_file
-from largebatch.commands.study.kinds import KINDS, parser
+from largebatch.commands.study.kinds import of_args, parser
 from largebatch.commands.study.plan import cell_dir, cell_label, check_cells, lr_grid, plan_cells
+from largebatch.commands.study.protocol import given
 from largebatch.commands.study.summary import machine_time, tables, write_outputs
 from largebatch.commands.study.tuning import chosen_lrs_of
 from largebatch.config import MAX_EPOCHS
@@ -28,8 +29,8 @@ from largebatch.errors import UserError
 
 
 def run(name: str, argv: list[str]) -> int:
-    kind = KINDS[name]
     args = parser(name).parse_args(argv)
+    kind = of_args(name, args)   # its protocol: the package's, or --protocol's
     check_numbers(("--seeds", args.seeds, args.seeds >= 1, "1 or more"),                         # step 1
                   ("--nproc-per-node", args.nproc_per_node, args.nproc_per_node >= 1, "1 or more"),
                   ("--micro-batch", args.micro_batch, args.micro_batch >= 1, "1 or more"),
@@ -51,6 +52,10 @@ def run(name: str, argv: list[str]) -> int:
     try:
         settings = {k: getattr(args, k) for k in kind.settings}
         settings["from_tuning"] = ", ".join(map(str, tunings)) or None
+        if args.protocol is None:   # the package's protocol: recorded as studies before --protocol were
+            del settings["protocol"]
+        else:                       # what --protocol gave (a file's content, not its path)
+            settings["protocol"] = given(args.protocol)
         stored = args.out / SETTINGS
         if stored.exists() and not same_study(stored_settings(stored), settings, layout.grid_names):
             raise UserError(f"{args.out} holds a study with other settings ({stored}); resume it with the same "

@@ -158,7 +158,7 @@ def variant_body(kind, table: dict, meta: dict, split: str, verdicts: list[dict]
                         f"{r['seeds']} |" + " |" * len(columns) + (" |" if with_lr else ""))
     v = table.get("verdict")
     if v:
-        claim = kind.claims[0]
+        claim = kind.protocol.claims[0]
         rows.append("")
         rows.append(f"Claim ({claim.claim}): difference {100 * v['difference']:+.2f} points, spread "
                     f"{100 * v['spread']:.2f}" + "".join(f", {a.label} {100 * v[a.name]:+.2f}" for a in claim.also

@@ -18,7 +18,7 @@ from largebatch.commands.study.summary import chosen_lrs
 from largebatch.errors import UserError
 
 # What a tuning study's protocol is: studies that extend one another (more lr values, more batches) must agree here.
-TUNING_PROTOCOL = ("recipe", "epochs", "nproc_per_node", "micro_batch", "overrides", "opt_set", "val_split")
+TUNING_PROTOCOL = ("recipe", "epochs", "nproc_per_node", "micro_batch", "overrides", "opt_set", "val_split", "protocol")
 
 # What each group field of a tuning table's row must be.
 FIELDS = {"batch": (lambda v: is_int(v) and v >= 1, "a positive whole number"),

@@ -1,4 +1,5 @@
-"""The verdict rule of every claim of every study kind, one rule with its parameters in the claim (`protocol.Rule`).
+"""The verdict rule of every claim of every study kind, one rule with its parameters in the claim (`protocol.Rule`,
+from the study's protocol).
 
 1. A claim reads its row (its group's chosen lr, mean over seeds) and the row it is measured against: another
    group (`against`), or the kind's baseline, the baseline optimizer at the smallest batch that ran (a claim at
@@ -26,7 +27,7 @@ def _against(claim: Claim, row: dict, rows: dict[tuple, dict], kind) -> dict | N
     """Step 1: the row `claim` is measured against."""
     if claim.against is not None:
         return rows.get(tuple(claim.against[a] for a in kind.axes))
-    base = sorted((r for r in rows.values() if all(r.get(k) == v for k, v in kind.baseline.items())),
+    base = sorted((r for r in rows.values() if all(r.get(k) == v for k, v in kind.protocol.baseline.items())),
                   key=lambda r: r["batch"])
     return base[0] if base and base[0]["batch"] != row["batch"] else None
 
@@ -37,7 +38,7 @@ def judge(kind, table: dict) -> list[dict]:
     difference, spread, `holds` and its `also` differences."""
     rows = {tuple(r[a] for a in kind.axes): r for key, r in table.items() if key != "verdict" and r.get("chosen", True)}
     out: list[dict[str, Any]] = []
-    for claim in kind.claims:
+    for claim in kind.protocol.claims:
         row = rows.get(tuple(claim.cell[a] for a in kind.axes))
         ref = _against(claim, row, rows, kind) if row is not None else None
         if row is None or ref is None:
