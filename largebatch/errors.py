@@ -80,12 +80,12 @@ def env_float(name: str, default: float, low: float = 0.0) -> float:
 
 def first_report(text: str) -> bool:
     """Whether this process is the first of its run to report `text`: a counter per sentence in the
-    launcher's store (torchrun's MASTER_ADDR:MASTER_PORT). True outside torchrun or if the store is
-    unreachable (then every rank prints: better twice than never)."""
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
-            return True
-    except ValueError:   # a bad WORLD_SIZE is itself the sentence being reported
+    launcher's store (torchrun's MASTER_ADDR:MASTER_PORT). True outside torchrun, where the variables that
+    reach the store are not as torchrun sets them (the sentence is then about them: asking a store they cannot
+    name would only delay it by the store's timeout), or if the store is unreachable (then every rank prints:
+    better twice than never)."""
+    where = _store_address()
+    if where is None:
         return True
     try:
         import datetime
@@ -93,14 +93,29 @@ def first_report(text: str) -> bool:
 
         import torch.distributed as dist
 
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
+        store = dist.TCPStore(*where, is_master=False, timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
         key = (f"largebatch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt"
                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported/"
                f"{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}")
         return store.add(key, 1) == 1
     except Exception:   # noqa: BLE001 - no store: print
         return True
+
+
+def _store_address() -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) of a multi-process run whose WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT are
+    as torchrun sets them (a rank below the world size, a port, a host this machine resolves); else None."""
+    import socket
+
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if world <= 1 or not 0 <= rank < world or not 0 < port < 65536:
+            return None
+        socket.getaddrinfo(addr, port)
+    except (KeyError, ValueError, UnicodeError, socket.gaierror):
+        return None
+    return addr, port
 
 
 _OS_FIXES: dict[int | None, str] = {   # keyed by OSError.errno, which may be None

@@ -691,5 +691,27 @@ def test_junk_in_the_environment_is_one_sentence_naming_the_variable(tmp_path, m
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("env, store", [
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, ("127.0.0.1", 29511)),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, None),
+    ({"WORLD_SIZE": "2", "RANK": "x1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, None),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no host here!", "MASTER_PORT": "29511"}, None),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, None),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, None),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "29511"}, None),
+])
+def test_a_sentence_about_the_rendezvous_variables_asks_no_store(monkeypatch, env, store):
+    """A user error is printed once per run through the launcher's store, reached by the rendezvous variables;
+    where they are not as torchrun sets them (the sentence is about them) no store is asked, so the sentence
+    does not wait for a store's timeout."""
+    from largebatch import errors
+
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert errors._store_address() == store
+
+
 
 
