@@ -47,10 +47,11 @@ from typing import Any, Callable
 
 from largebatch.cli import ArgumentParser
 from largebatch.commands.study.kinds import KINDS
+from largebatch.commands.study.protocol import RUN_FRACTION
 from largebatch.errors import UserError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
-_RUN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s+run\s*$")
+_RUN = RUN_FRACTION
 
 
 def parser() -> ArgumentParser:
@@ -151,7 +152,7 @@ def study_argv(entry: dict, out: Path, base: Path, where: str) -> tuple[str, lis
             argv += [x for opt, sets in value.items() for k, v in sets.items()
                      for x in (flag, f"{opt}:{k}={_text(_number(v, epochs, f'{here}.{opt}.{k}'))}")]
         elif key == "protocol":
-            argv += [flag, json.dumps(_protocol(kind, value, epochs, here), separators=(",", ":"))]
+            argv += [flag, json.dumps(_protocol(kind, value, epochs, here), separators=(",", ":"), ensure_ascii=False)]
         elif key == "lr_grid" and kind == "batch-scaling":
             if not isinstance(value, dict):
                 raise UserError(f"{here} must map each optimizer to a list of lrs, got {value!r}.")
@@ -180,7 +181,10 @@ def _protocol(kind: str, value: Any, epochs: float | None, where: str) -> dict:
     check it (`protocol.of`), so that a mistake names this file and key."""
     from largebatch.commands.study import protocol
 
-    if isinstance(value, dict) and isinstance(value.get("optimizers"), dict):
+    if not isinstance(value, dict) or not value:
+        raise UserError(f"{where} is {value!r}; give a mapping of the protocol keys it replaces "
+                        f"({', '.join(protocol.KEYS[kind])}), or leave it out for the package's.")
+    if isinstance(value.get("optimizers"), dict):
         value = {**value, "optimizers": {
             name: {k: _number(v, epochs, f"{where}.optimizers.{name}.{k}") for k, v in sets.items()}
             if isinstance(sets, dict) else sets for name, sets in value["optimizers"].items()}}

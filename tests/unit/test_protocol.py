@@ -105,21 +105,41 @@ def test_a_study_records_its_protocol_and_a_resume_must_repeat_it(tmp_path, caps
     ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: sgd}, rule: {op: '=>', points: 1}}]}",
      "--protocol.claims[0].rule.op is '=>'; give one of >=, >, <"),
     ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: adam}, rule: {op: '>', points: 1}}]}",
-     "--protocol.claims[0].cell names 'adam', not one of the protocol's: sgd, lars, lamb"),
+     "--protocol.claims[0].cell names \"adam\", not one of the protocol's: sgd, lars, lamb"),
+    ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: [sgd]}, rule: {op: '>', points: 1}}]}",
+     "--protocol.claims[0].cell names [\"sgd\"], not one of the protocol's"),
+    ("batch-scaling", "{baseline: {optimizer: [sgd]}}", "--protocol.baseline is {\"optimizer\": [\"sgd\"]}; give"),
+    ("batch-scaling", "{optimizers: {mine: {optim.lr: 2}}}", "--protocol.optimizers.mine has no optim.name"),
+    ("batch-scaling", "{optimizers: {lars: {optim.note: 2024-01-01}}}",
+     "--protocol.optimizers.lars.optim.note is \"2024-01-01\"; give a number, text"),
+    ("batch-scaling", "{optimizers: {lars: {schedule.warmup_epochs: 5/90 run}}}",
+     "is '5/90 run', a fraction of the run: an experiment file's protocol takes it"),
+    ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: sgd}, rule: {op: '>', points: 1}, "
+                      "also: [{name: g, label: g, figure: noise_scale, rule: {op: '>', points: 0}}]}]}",
+     "also[0].figure is \"noise_scale\"; give one of the figures of the claim's row (none: "),
+    ("ensemble", "{claims: [{claim: x, cell: {variant: single}, against: {variant: ensemble}, rule: {op: '>', "
+                 "points: 0}, also: [{name: g, label: g, figure: best_snapshot, rule: {op: '>', points: 0}}]}]}",
+     "also[0].figure is \"best_snapshot\"; give one of the figures of the claim's row (none: "),
+    ("ensemble", "{claims: [{claim: x, cell: {variant: ensemble}, against: {variant: single}, rule: {op: '>', "
+                 "points: 0}, also: [{name: holds, label: g, figure: swa, rule: {op: '>', points: 0}}]}]}",
+     "has name \"holds\"; give a name of letters, digits and _ (not one of difference, spread, holds)"),
+    ("batch-control", "{variants: {verdict: [\"batch.global_batch={batch}\"]}}",
+     "--protocol.variants has the name 'verdict'; give letters, digits, _ . - only"),
     ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64}, rule: {op: '>', points: 1}}]}",
      "--protocol.claims[0].cell is {\"batch\": 64}; give {batch: ..., optimizer: ...}"),
     ("batch-scaling", "{baseline: {optimizer: adam}}", "--protocol.baseline is {\"optimizer\": \"adam\"}; give"),
-    ("batch-scaling", "{optimizers: {lars: {lr: 2}}}", "--protocol.optimizers.lars is {\"lr\": 2}; give a mapping"),
+    ("batch-scaling", "{optimizers: {lars: {lr: 2}}}", "--protocol.optimizers.lars is {\"optim.name\": \"lars\", "),
     ("batch-scaling", "{optimizers: {a/b: {optim.name: sgd}}}", "has the name 'a/b'; give letters, digits"),
     ("ensemble", "{claims: [{claim: x, cell: {variant: ensemble}, against: {variant: single}, rule: {op: '>', "
                  "points: 0}, also: [{name: g, label: g, figure: swa2, rule: {op: '>', points: 0}}]}]}",
-     "also[0].figure is 'swa2'; give one of study ensemble's figures: best_snapshot, swa"),
+     "also[0].figure is \"swa2\"; give one of the figures of the claim's row (best_snapshot, swa)"),
     ("batch-control", "{claims: [{claim: x, cell: {variant: control}, rule: {op: '>', points: 0}}]}",
      "has no against; give the variant it is measured against"),
     ("batch-control", "{variants: {fixed: [\"schedule.epochs={epoch}\"]}}",
      "the protocol's variant 'fixed' has the --set item 'schedule.epochs={epoch}', which study batch-control "
      "cannot fill"),
-    ("batch-control", "{variants: [", "is not a YAML mapping"),
+    ("batch-control", "{variants: [", "--protocol '{variants: [' is not valid YAML"),
+    ("batch-control", "{}", "--protocol '{}' gives no keys; give a mapping of the keys it replaces"),
     ("batch-control", "no/such/file.yaml", "--protocol no/such/file.yaml: no such file"),
 ])
 def test_a_bad_protocol_is_one_sentence(tmp_path, capsys, kind, given, words):
@@ -130,7 +150,7 @@ def test_a_bad_protocol_is_one_sentence(tmp_path, capsys, kind, given, words):
     assert cli.main(["study", kind, *TINY, *own, "--out", str(out), "--protocol", given, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and words in err and err.count("\n") == 1, err
-    if given.startswith("{") and "[" != given[-1] and "{epoch}" not in given:
+    if given.startswith("{") and "[" != given[-1] and "{epoch}" not in given and "run}" not in given and given != "{}":
         path = tmp_path / "exp.yaml"
         path.write_text(f"studies: [{{name: a, study: {kind}, protocol: {given}}}]\n")
         assert cli.main(["study", str(path), "--dry-run", "--out", str(out)]) == 2
@@ -138,3 +158,56 @@ def test_a_bad_protocol_is_one_sentence(tmp_path, capsys, kind, given, words):
         where = f"{path}: studies[0] (a).protocol"
         assert "Traceback" not in err and words.replace("--protocol", where) in err, err
     assert not out.exists()
+
+
+def test_an_optimizer_given_in_part_keeps_the_rest_and_a_claim_may_name_its_own_row(tmp_path):
+    """optimizers merge setting by setting (lars with another lr is still lars); a batch-scaling claim with an
+    `against` of its own has --claims-only run that row too, even at the smallest batch; text beyond the BMP
+    survives the experiment file's JSON."""
+    args = kinds.parser("batch-scaling").parse_args(["--protocol", "{optimizers: {lars: {optim.lr: 3.0}}}"])
+    sets = plan.cell_overrides(args, 256, "lars", 0)
+    assert {"optim.name=lars", "optim.lr=3.0", "optim.trust_coefficient=0.001"} <= set(sets)
+
+    own = protocol.of("batch-scaling", {"claims": [
+        {"claim": "LARS at 256 above SGD at 256", "cell": {"batch": 256, "optimizer": "lars"},
+         "against": {"batch": 256, "optimizer": "sgd"}, "rule": {"op": ">", "points": 0}},
+        {"claim": "LARS at 64 above SGD at 64", "cell": {"batch": 64, "optimizer": "lars"},
+         "against": {"batch": 64, "optimizer": "sgd"}, "rule": {"op": ">", "points": 0}}]})
+    assert plan.claim_cells([64, 256, 1024], ["sgd", "lars"], own.claims, own.baseline) == {
+        (64, "sgd"), (64, "lars"), (256, "sgd"), (256, "lars")}
+
+    path = tmp_path / "exp.yaml"
+    path.write_text("studies: [{name: a, study: batch-control, protocol: {claims: [{claim: \"control 🚀\", "
+                    "cell: {variant: control}, against: {variant: fixed}, rule: {op: '>', points: 0}}]}}]\n",
+                    encoding="utf-8")
+    ((_, _, argv),) = experiment.plan(path, tmp_path / "out")
+    text = argv[argv.index("--protocol") + 1]
+    assert protocol.given(text)["claims"][0]["claim"] == "control 🚀" == protocol.of(
+        "batch-control", protocol.given(text)).claims[0].claim
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "sub", "is a directory; give a YAML file"),
+    (lambda d: d / "list.yaml", "gives a list; give a mapping of the keys it replaces"),
+    (lambda d: d / "empty.yaml", "gives no keys; give a mapping of the keys it replaces"),
+    (lambda d: d / "bad.yaml", "is not valid YAML"),
+])
+def test_a_protocol_file_that_is_no_mapping_is_one_sentence(tmp_path, capsys, make, words):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "list.yaml").write_text("- claims\n")
+    (tmp_path / "empty.yaml").write_text("# nothing\n")
+    (tmp_path / "bad.yaml").write_text("claims: [\n")
+    assert cli.main(["study", "batch-control", *TINY, "--epochs", "2", "--switch-epochs", "1", "--out",
+                     str(tmp_path / "out"), "--protocol", str(make(tmp_path)), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["null", "{}", "[claims]"])
+def test_an_experiment_files_protocol_that_is_no_mapping_is_one_sentence(tmp_path, capsys, value):
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"studies: [{{name: a, study: ensemble, protocol: {value}}}]\n")
+    assert cli.main(["study", str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}: studies[0] (a).protocol is " in err and \
+        "give a mapping of the protocol keys it replaces (variants, claims)" in err, err

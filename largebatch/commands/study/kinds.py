@@ -139,7 +139,8 @@ def parser(name: str) -> ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe key in every cell (repeatable)")
     p.add_argument("--protocol", default=None, metavar="FILE_OR_MAPPING",
-                   help=f"replace keys of the package's protocol ({', '.join(protocol.KEYS[name])}; "
+                   help=f"replace keys of the package's protocol ({', '.join(protocol.KEYS[name])}: claims and "
+                        "baseline whole, optimizers setting by setting, variants by name; "
                         "largebatch/commands/study/protocol.yaml): a YAML file, or a mapping inline ('{...}')")
     p.add_argument("--val-split", type=int, default=None,
                    help="tune: hold out this many training images and evaluate every cell on them (data.val_split)")

@@ -120,8 +120,9 @@ def cell_overrides(args, batch: int, opt: str, seed: int, lr: float | None = Non
 def claim_cells(batches: list[int], optimizers: list[str], claims: tuple[Claim, ...] | None = None,
                 baseline: dict[str, object] | None = None) -> set[tuple[int, str]]:
     """--claims-only: the (batch, optimizer) pairs the claims read, of those given: the baseline (its optimizer
-    at the smallest batch) and each claim's cell (the package protocol's claims and baseline unless given).
-    Without the baseline or any claim's cell, one sentence."""
+    at the smallest batch) and each claim's cell, with the row it is measured against where it names one (the
+    package protocol's claims and baseline unless given). Without the baseline or any claim's cell, one
+    sentence."""
     claims = protocol.default("batch-scaling").claims if claims is None else claims
     baseline = protocol.default("batch-scaling").baseline if baseline is None else baseline
     assert baseline is not None
@@ -131,7 +132,13 @@ def claim_cells(batches: list[int], optimizers: list[str], claims: tuple[Claim, 
                         f"{base_opt} to --optimizers.")
     base = min(batches)
     cells = [(c.cell["batch"], c.cell["optimizer"]) for c in claims]
-    pairs = {(b, o) for b, o in cells if b in batches and o in optimizers and b != base}
+    pairs: set[tuple[int, str]] = set()
+    for claim in claims:   # a claim with an `against` of its own reads that row, at any batch; else the baseline
+        b, o = claim.cell["batch"], claim.cell["optimizer"]
+        ref: tuple[Any, Any] | None = (claim.against["batch"], claim.against["optimizer"]) if claim.against else None
+        if b in batches and o in optimizers and (b != base or ref is not None) and \
+                (ref is None or (ref[0] in batches and ref[1] in optimizers)):
+            pairs |= {(b, o), *([ref] if ref else [])}
     if not pairs:
         known = ", ".join(f"{o} at {b}" for b, o in cells)
         raise UserError(f"--claims-only: no claim's cell is in --batches and --optimizers; the claims read {known}, "
