@@ -80,13 +80,18 @@ def check_worker_count(flag: str, nproc: int, low: int = 1) -> None:
 
 def local_workers(nproc: int, command: list[str], max_restarts: int = 0) -> list[str]:
     """The torchrun arguments of `nproc` workers on this host running `python -m largebatch COMMAND...`,
-    rendezvous on loopback, for `run_agent`; sets OMP_NUM_THREADS to the cores per worker unless the user set it."""
+    rendezvous on loopback, for `run_agent`; sets OMP_NUM_THREADS to the cores per worker unless the user set it.
+    The rendezvous is torchrun --standalone's: the agent's store binds a free port itself (port 0) and the run has
+    an id of its own. A port chosen here and bound later by the agent could be taken in between by another launch
+    on this host, whose store torch's c10d backend then joins as a client (it falls back to that when it cannot
+    bind): the two launches shared a rendezvous and one waited out the other's exit barrier (300 s)."""
     import os
+    import uuid
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))   # this process's cores (dist.cores_here)
     return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
+            "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1",
             "--max-restarts", str(max_restarts), "-m", "largebatch", *command]
 
 

@@ -218,3 +218,18 @@ def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_
         assert all("_stop_thread" not in str(u.exc_traceback.tb_frame.f_code) for u in seen)
     finally:
         sys.unraisablehook = before
+
+
+def test_local_launches_rendezvous_on_a_port_their_store_binds_with_an_id_of_their_own():
+    """torchrun --standalone's rendezvous for every local launch: endpoint port 0 (the agent's store binds a free
+    port itself) and a run id per launch. A port picked before the agent binds it can be taken meanwhile by
+    another launch on the host, whose store torch's c10d backend then joins as a client: two launches of the
+    suite shared one rendezvous and one waited out the other's exit barrier (300 s)."""
+    from largebatch.launch import local_workers
+
+    def value(args: list[str], flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    a, b = local_workers(2, ["train"]), local_workers(2, ["train"])
+    assert value(a, "--rdzv-endpoint") == value(b, "--rdzv-endpoint") == "127.0.0.1:0"
+    assert value(a, "--rdzv-id") != value(b, "--rdzv-id") and len(value(a, "--rdzv-id")) == 32
