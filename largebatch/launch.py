@@ -23,8 +23,11 @@ starts one per namespaced host). What it adds to torchrun:
 4. Workers started warm (`_launch_warm`): for `-m largebatch` workers the agent forks each one from a
    forkserver of this launch that imported torch once, instead of starting N interpreters that each import it
    (`import torch, torch._dynamo, torch.distributed.run` is 5.1 s of CPU on a 2-core AMD EPYC); a restart forks
-   again with no import. Each worker is what torchrun would start: its own process session (setsid),
-   line-buffered output, the program's exit code, a traceback on stderr. The forkserver and multiprocessing's
+   again with no import. The forkserver itself is a fork of this launcher, which has imported torch already,
+   made what a fresh interpreter would be (`_fork_forkserver`), where that is safe: one thread and no CUDA
+   driver in this process; else multiprocessing spawns it and it imports torch. Each worker is what torchrun
+   would start: its own process session (setsid), line-buffered output, the program's exit code, a traceback on
+   stderr. The forkserver and multiprocessing's
    resource tracker are stopped when the agent ends, so a launcher leaves no process behind. Any other torchrun
    command line (--no-python, a script) runs as torchrun runs it.
 """
@@ -35,6 +38,8 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from largebatch.errors import UserError, report
 
@@ -101,7 +106,11 @@ def quiet_agent_logs() -> None:
     names = [n for n in list(logging.root.manager.loggerDict)
              if any(n == p or n.startswith(p + ".") for p in AGENT_LOGGERS)]
     for name in {*AGENT_LOGGERS, *names}:
+        _QUIETED.setdefault(name, logging.getLogger(name).level)   # the level a forked forkserver gets back
         logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+_QUIETED: dict[str, int] = {}
 
 
 def failed_exit_code(exc) -> int:
@@ -229,14 +238,144 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
     if (args.no_python or not args.module or args.training_script != "largebatch" or args.standalone
             or args.rdzv_backend == "static"):
         return False
-    config, _, _ = config_from_args(args)
+    config, _, _ = config_from_args(args)   # sets OMP_NUM_THREADS for the workers where torchrun would
     config.start_method = "forkserver"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
     try:
+        _fork_forkserver(config)
         elastic_launch(config=config, entrypoint=worker)(list(args.training_script_args))
     finally:
         _stop_forkserver(sys.exc_info()[1])
     return True
+
+
+def _fork_forkserver(config) -> bool:
+    """Step 4: start this launch's forkserver as a fork of this process, which has imported torch already, where
+    that is safe (`_fork_is_safe`: one thread, no CUDA driver); False: multiprocessing starts it at the first
+    worker, as a fresh interpreter that imports `WORKER_PRELOAD` (the same code, `forkserver.main`). It is
+    multiprocessing's own start of the forkserver (`ForkServer.ensure_running`: its socket, its "alive" pipe, its
+    record of the server) with a fork in place of the interpreter it spawns; the fork first becomes what that
+    interpreter would be (`_as_spawned`). The environment is the workers' as it would be at the first worker's
+    start: torch's `launch_agent` sets TORCHELASTIC_SIGNALS_TO_HANDLE before it, so that is set here first."""
+    import gc
+    import multiprocessing.forkserver as forkserver
+    import os
+    from multiprocessing import resource_tracker, util
+
+    server = getattr(forkserver, "_forkserver", None)
+    if not (_fork_is_safe() and hasattr(server, "_lock") and hasattr(util, "spawnv_passfds")):
+        return False
+    signals = getattr(config, "signals_to_handle", None)
+    if isinstance(signals, str):
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals
+    gc.collect()   # what this process would still finalize is finalized here, not in the fork
+    for stream in (sys.stdout, sys.stderr):   # nothing buffered here is written again by the fork's children
+        with contextlib.suppress(Exception):
+            stream.flush()
+    resource_tracker.ensure_running()   # an interpreter of its own, as ever (ensure_running starts it first)
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_as_spawned
+    try:
+        server.ensure_running()   # type: ignore[union-attr]
+    except Exception:   # noqa: BLE001 - no fork (memory, a process limit) or another multiprocessing: it spawns
+        return False    # the forkserver at the first worker (a fork that started has its "alive" pipe closed)
+    finally:
+        util.spawnv_passfds = spawn
+    return True
+
+
+def _fork_is_safe() -> bool:
+    """Whether this process may fork its forkserver: one thread (a fork copies only the calling one, and any lock
+    another held stays held), and no CUDA driver loaded (a CUDA context does not survive a fork; torch loads
+    libcuda at the first CUDA call, e.g. torch.cuda.is_available(), not at import)."""
+    import os
+
+    try:
+        if len(os.listdir("/proc/self/task")) != 1:
+            return False
+        with open("/proc/self/maps") as maps:
+            return not any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+FORKSERVER_NAME = "lb-forkserver"   # the forked forkserver's process name (/proc/PID/comm)
+
+
+def _fork_as_spawned(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    """`multiprocessing.util.spawnv_passfds(path, args, passfds)` by a fork: the child runs `args`' `-c` code (the
+    forkserver's main) as `python -c` would, after `_as_spawned`; the parent gets its pid."""
+    import os
+
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _as_spawned(passfds)
+        exec(args[-1], {"__name__": "__main__"})   # main(...) serves until the launcher's "alive" pipe closes
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:   # noqa: BLE001 - printed as python -c would
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _as_spawned(passfds: Sequence[int]) -> None:
+    """In the forked forkserver: what a fresh `python -c` interpreter would have instead of this launcher's state.
+    Python's signal dispositions and hooks, no profile or trace function, no atexit handler, the agent's loggers
+    at their own levels, multiprocessing's forkserver lock free (the launcher held it at the fork), no largebatch
+    module (each worker imports largebatch afresh, as from a spawned forkserver, with none of the launcher's
+    module state) and an empty __main__, argv ["-c"], only `passfds` and the standard streams open, its process
+    named FORKSERVER_NAME. What the launcher still holds in its frames is frozen (gc.freeze), never finalized
+    here: its files' numbers may be reused by the workers."""
+    import atexit
+    import ctypes
+    import faulthandler
+    import gc
+    import multiprocessing.forkserver as forkserver
+    import os
+    import threading
+    import types
+    from multiprocessing import resource_tracker
+
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):   # what Python itself ignores at start-up
+        signal.signal(sig, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    sys.excepthook, sys.unraisablehook, sys.displayhook = sys.__excepthook__, sys.__unraisablehook__, sys.__displayhook__
+    sys.setprofile(None)
+    sys.settrace(None)
+    threading.setprofile(None)
+    threading.settrace(None)
+    atexit._clear()
+    if faulthandler.is_enabled() and not os.environ.get("PYTHONFAULTHANDLER") and not sys.flags.dev_mode:
+        faulthandler.disable()
+    for name, level in _QUIETED.items():
+        logging.getLogger(name).setLevel(level)
+    forkserver._forkserver._lock = threading.Lock()   # type: ignore[attr-defined]
+    tracker: Any = resource_tracker._resource_tracker
+    tracker._fd, tracker._pid = None, None   # not this process's child; each worker is handed its pipe
+    for name in [n for n in sys.modules if n == "largebatch" or n.startswith("largebatch.")]:
+        del sys.modules[name]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    sys.argv = ["-c"]
+    gc.collect()   # the launcher's objects that the purge freed, finalized while their files are still its own
+    keep = sorted({0, 1, 2, *passfds})
+    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
+    gc.freeze()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, FORKSERVER_NAME.encode(), 0, 0, 0)   # PR_SET_NAME
 
 
 def _stop_forkserver(exc: BaseException | None) -> None:

@@ -1,6 +1,7 @@
 """A run directory belongs to its run: refused without --resume, one writer at a time (a real flock held
 by a real process), workers that stop when their launcher is SIGKILLed, no side effects on directories the
 run did not create, and teardown with no thread of ours left behind."""
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from largebatch import checkpoint, rundir
+from largebatch import checkpoint, launch, rundir
 from largebatch.errors import UserError
 
 from conftest import ROOT, user_error as _user_error
@@ -117,17 +118,21 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
 
 
 def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_launch_by_itself(tmp_path):
-    """A launch's workers are forked from a forkserver of its own that imported torch once (launch._launch_warm),
-    each in a session of its own as torchrun starts them, named after its rank (what `largebatch chaos` reads), the
+    """A launch's workers are forked from a forkserver of its own (launch._launch_warm), itself a fork of the
+    launcher, which had imported torch (launch._fork_forkserver), holding none of the launcher's files; each worker
+    in a session of its own as torchrun starts them, named after its rank (what `largebatch chaos` reads), the
     forkserver in a session of its own (a signal to the launcher's group does not end it). SIGTERM to the launcher: the workers stop at a step
     boundary with a checkpoint and end by themselves (torch's agent SIGKILLs a worker still there 30 s after
     its SIGTERM: a finished worker used to wait for the agent there), exit 143, and nothing of the launch is left
     in its process group."""
     run = tmp_path / "run"
+    held_r, held = os.pipe()   # a file of the launcher's own: neither its forkserver nor a worker may hold it
     launcher = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
                                  "--set", "train.log_every=1", "--nproc-per-node", "2", "--run-dir", str(run)],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, pass_fds=(held,))
+    os.close(held)
+    pipe = os.readlink(f"/proc/self/fd/{held_r}")
     deadline = time.monotonic() + 150
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
@@ -139,10 +144,12 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     assert all(os.getsid(pid) == pid for pid in workers)   # each in a session of its own, as torchrun starts them
     servers = {_ppid(pid) for pid in workers}
     assert len(servers) == 1 and _ppid(next(iter(servers))) == launcher.pid
-    server_argv = Path(f"/proc/{next(iter(servers))}/cmdline").read_bytes().decode()
-    assert "multiprocessing.forkserver" in server_argv and "'torch'" in server_argv
-    server = next(iter(servers))   # out of the launcher's group: a signal to the group does not end it
-    assert os.getsid(server) == server != os.getsid(launcher.pid)
+    server = next(iter(servers))   # forked from the launcher, which had imported torch (launch._fork_forkserver)
+    assert Path(f"/proc/{server}/comm").read_text().strip() == launch.FORKSERVER_NAME
+    assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
+    assert os.getsid(server) == server != os.getsid(launcher.pid)   # a signal to the launcher's group misses it
+    assert [_holds(pid, pipe) for pid in (launcher.pid, server, *workers)] == [True, False, False, False]
+    os.close(held_r)
     started = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
@@ -153,6 +160,15 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     with pytest.raises(ProcessLookupError):   # no forkserver, resource tracker or worker left in the group
         os.killpg(launcher.pid, 0)
     assert not any(_alive(pid) for pid in workers)
+
+
+def _holds(pid: int, target: str) -> bool:
+    """Whether process `pid` has a file open that is `target` (as /proc/PID/fd/N links name it)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+    return False
 
 
 def _ppid(pid: int) -> int:
