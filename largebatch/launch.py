@@ -111,6 +111,9 @@ def quiet_agent_logs() -> None:
 
 
 _QUIETED: dict[str, int] = {}
+# False where this process imported torch with an environment its workers do not get (`main`: the agent's C++
+# log level): its forkserver is then spawned, not forked (`_fork_forkserver`)
+torch_as_workers_import_it = True
 
 
 def failed_exit_code(exc) -> int:
@@ -251,7 +254,8 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
 
 def _fork_forkserver(config) -> bool:
     """Step 4: start this launch's forkserver as a fork of this process, which has imported torch already, where
-    that is safe (`_fork_is_safe`: one thread, no CUDA driver); False: multiprocessing starts it at the first
+    that is safe (`_fork_is_safe`: one thread, no CUDA driver) and this process imported torch as its workers
+    would (`torch_as_workers_import_it`); False: multiprocessing starts it at the first
     worker, as a fresh interpreter that imports `WORKER_PRELOAD` (the same code, `forkserver.main`). It is
     multiprocessing's own start of the forkserver (`ForkServer.ensure_running`: its socket, its "alive" pipe, its
     record of the server) with a fork in place of the interpreter it spawns; the fork first becomes what that
@@ -263,7 +267,8 @@ def _fork_forkserver(config) -> bool:
     from multiprocessing import resource_tracker, util
 
     server = getattr(forkserver, "_forkserver", None)
-    if not (_fork_is_safe() and hasattr(server, "_lock") and hasattr(util, "spawnv_passfds")):
+    if not (torch_as_workers_import_it and _fork_is_safe() and hasattr(server, "_lock")
+            and hasattr(util, "spawnv_passfds")):
         return False
     signals = getattr(config, "signals_to_handle", None)
     if isinstance(signals, str):
@@ -497,15 +502,18 @@ def main(argv: list[str]) -> int:
 
     The agent's own C++ warnings are off unless the user set TORCH_CPP_LOG_LEVEL (torch reads it once, at
     import): a store call to a node that has ended logs 40 lines of stack frames before the exception that
-    step 3 turns into one line. The workers get the environment as it was."""
+    step 3 turns into one line. The workers get the environment as it was, and their forkserver is spawned: a fork
+    of this process would keep that level (`torch_as_workers_import_it`)."""
     import os
 
+    global torch_as_workers_import_it
     user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     if user_level is None:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         import torch  # noqa: F401 - reads the level now
 
         del os.environ["TORCH_CPP_LOG_LEVEL"]
+        torch_as_workers_import_it = False   # a fork of this process would keep its workers' C++ warnings off
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
