@@ -21,6 +21,8 @@ data         `largebatch bench data` at 224 px, 6 loader workers, decoding on th
              500x375 JPEGs; does the loader keep up with the model's images/s from throughput?
 train        60 steps of `largebatch train` (ResNet-50, LARS, fp16, data.decode=gpu, train.cuda_graph=on,
              6 loader workers) on that JPEG tree: images/s and data wait per step, against the step alone.
+launch       5 steps of `largebatch train --nproc-per-node 1 --max-restarts 1` (synthetic data): a worker the
+             elastic agent forks from the launch's forkserver, on CUDA.
 calibrate    only when asked (GPU_CHECK_CALIBRATE=1, or named in GPU_CHECK_ONLY): `largebatch plan --calibrate`.
 
 Time: every step and every command in it is bounded by one deadline, GPU_CHECK_DEADLINE_S (default 450)
@@ -62,11 +64,12 @@ MIN_START_S = 10.0    # a step that would start with less time left is not start
 KILL_GRACE_S = 3.0    # SIGTERM, then SIGKILL to the process group after this
 TESTS_K = "graph or prefetch or decode or gpu_cache or lars"
 
-STEPS = ("machine", "throughput", "cuda_tests", "more_tests", "data", "train", "calibrate")
+STEPS = ("machine", "throughput", "cuda_tests", "more_tests", "data", "train", "launch", "calibrate")
 DEFAULT_STEPS = STEPS[:-1]   # calibrate only when asked
 # each step's log in DIR (two steps share one): with gpu_check.json and gpu_check.log, at most 8 files
 LOGS = {"machine": "env.txt", "throughput": "throughput.log", "cuda_tests": "cuda_tests.log",
-        "more_tests": "cuda_tests.log", "data": "data.log", "train": "train.log", "calibrate": "calibrate.log"}
+        "more_tests": "cuda_tests.log", "data": "data.log", "train": "train.log", "launch": "train.log",
+        "calibrate": "calibrate.log"}
 OWN_FILES = ("gpu_check.json", "gpu_check.log")
 
 SIZES = {
@@ -82,7 +85,10 @@ SIZES = {
                       "--set", "schedule.epochs=100", "--set", "data.image_size=224", "--set", "batch.global_batch=256",
                       "--set", "optim.name=lars", "--set", "train.label_smoothing=0.1",
                       "--set", "train.precision=fp16", "--set", "train.max_steps=60", "--set", "train.log_every=10",
-                      "--set", "data.loader_workers=6", "--set", "data.decode=gpu", "--set", "train.cuda_graph=on"]},
+                      "--set", "data.loader_workers=6", "--set", "data.decode=gpu", "--set", "train.cuda_graph=on"],
+            "launch": ["--set", "data.dataset=synthetic", "--set", "data.synthetic_size=2048", "--set",
+                       "data.image_size=64", "--set", "model.name=resnet18", "--set", "model.width=16",
+                       "--set", "batch.global_batch=64", "--set", "train.max_steps=5", "--set", "train.log_every=1"]},
     # cpu: one intra-op thread (the suite runs this beside other work, and ops this small gain nothing from a
     # second one on a busy 2-core machine)
     "cpu": {"bench_train": ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch", "8",
@@ -92,7 +98,11 @@ SIZES = {
             "images": 24, "batch": 8, "workers": [0, 2], "decode": ["cpu"], "size": 64, "passes": 1,
             "train": ["--set", "model.name=resnet18", "--set", "model.width=4", "--set", "data.image_size=32",
                       "--set", "batch.global_batch=8", "--set", "train.max_steps=3", "--set", "train.log_every=1",
-                      "--set", "data.loader_workers=0", "--set", "train.device=cpu", "--set", "train.threads=1"]},
+                      "--set", "data.loader_workers=0", "--set", "train.device=cpu", "--set", "train.threads=1"],
+            "launch": ["--set", "data.dataset=synthetic", "--set", "data.synthetic_size=64", "--set",
+                       "data.image_size=16", "--set", "model.name=resnet18", "--set", "model.width=4",
+                       "--set", "batch.global_batch=8", "--set", "train.max_steps=3", "--set", "train.log_every=1",
+                       "--set", "train.device=cpu", "--set", "train.threads=1"]},
 }
 
 # GPU_CHECK_STALL=STEP (for tests/integration/test_gpu_check.py): the step first runs this, which prints two lines, starts a
@@ -489,6 +499,22 @@ def main() -> int:
         if alone.get("configs", {}).get("fp16-cl-graph"):
             rec["vs_step_alone"] = round(rec["images_per_s"] / alone["configs"]["fp16-cl-graph"], 3)
 
+    def launch(rec: dict) -> None:
+        run = scratch / "launch"
+        if run.exists():
+            import shutil
+
+            shutil.rmtree(run)
+        # one worker with a restart allowed: started by the elastic agent, forked from the launch's forkserver
+        # (itself a fork of the launcher where that holds no CUDA driver), not run in the launching process
+        rc, _ = check.run([py, "-m", "largebatch", "train", "--nproc-per-node", "1", "--max-restarts", "1",
+                           *sizes["launch"], "--set", "train.eval_every=0", "--set", "train.plots=false", "--quiet",
+                           "--run-dir", str(run)])
+        if rc != 0:
+            raise RuntimeError(f"largebatch train --nproc-per-node 1 --max-restarts 1 exited {rc}")
+        summary = json.loads((run / "summary.json").read_text())
+        rec.update(steps=summary["steps"], world_size=summary.get("world_size"), machine=summary.get("machine"))
+
     def calibrate(rec: dict) -> None:
         out = scratch / "this_machine.yaml"
         out.unlink(missing_ok=True)
@@ -504,7 +530,7 @@ def main() -> int:
         rec.update(catalog_yaml=text, sections={k: sorted(v) for k, v in parsed.items() if isinstance(v, dict)})
 
     fns = {"machine": machine, "throughput": throughput, "cuda_tests": cuda_tests, "more_tests": more_tests,
-           "data": data, "train": train, "calibrate": calibrate}
+           "data": data, "train": train, "launch": launch, "calibrate": calibrate}
     for name in order:
         check.step(name, fns[name])
 

@@ -49,7 +49,7 @@ def test_gpu_check_cpu_mode_runs_every_step(tmp_path):
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["mode"] == "cpu" and result["failed_steps"] == [] and result["not_run_steps"] == []
     steps = result["steps"]
-    order = ["machine", "throughput", "cuda_tests", "more_tests", "data", "train"]   # calibrate: when asked
+    order = ["machine", "throughput", "cuda_tests", "more_tests", "data", "train", "launch"]   # calibrate: when asked
     assert list(steps) == result["order"] == order
     assert all(r["status"] == "ok" for r in steps.values()), steps
     log = (out / "gpu_check.log").read_text()
@@ -74,12 +74,13 @@ def test_gpu_check_cpu_mode_runs_every_step(tmp_path):
     assert all(r["images_per_s"] > 0 for r in steps["data"]["loader"].values())
     assert steps["train"]["steps"] == 3 and steps["train"]["data_wait_s_per_step"] >= 0
     assert [r for r in steps["train"]["metrics"] if r.get("kind") == "train"]
+    assert steps["launch"]["steps"] == 3 and steps["launch"]["world_size"] == 1
 
     assert sorted(map(str, files_under(out))) == sorted(["gpu_check.json", "gpu_check.log", "env.txt", "throughput.log",
                                                          "cuda_tests.log", "data.log", "train.log"])
     assert all((out / f).stat().st_size > 0 for f in files_under(out))
     summary = proc.stdout.strip().splitlines()[-1]
-    assert summary.startswith("gpu_check (cpu): 6 ok, 0 failed, 0 not run") and summary in log
+    assert summary.startswith("gpu_check (cpu): 7 ok, 0 failed, 0 not run") and summary in log
 
 
 def test_every_step_run_still_fits_eight_files():
