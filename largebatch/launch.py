@@ -24,8 +24,9 @@ starts one per namespaced host). What it adds to torchrun:
    forkserver of this launch that imported torch once, instead of starting N interpreters that each import it
    (`import torch, torch._dynamo, torch.distributed.run` is 5.1 s of CPU on a 2-core AMD EPYC); a restart forks
    again with no import. The forkserver itself is a fork of this launcher, which has imported torch already,
-   made what a fresh interpreter would be (`_fork_forkserver`), where that is safe: one thread and no CUDA
-   driver in this process; else multiprocessing spawns it and it imports torch. Each worker is what torchrun
+   made what a fresh interpreter would be (`_fork_forkserver`), where that is safe: one thread (numpy's BLAS
+   pool starts none with OMP_NUM_THREADS=1, as in the suite) and no CUDA driver in this process; else
+   multiprocessing spawns it and it imports torch. Each worker is what torchrun
    would start: its own process session (setsid), line-buffered output, the program's exit code, a traceback on
    stderr. The forkserver and multiprocessing's
    resource tracker are stopped when the agent ends, so a launcher leaves no process behind. Any other torchrun
@@ -292,7 +293,9 @@ def _fork_forkserver(config) -> bool:
 def _fork_is_safe() -> bool:
     """Whether this process may fork its forkserver: one thread (a fork copies only the calling one, and any lock
     another held stays held), and no CUDA driver loaded (a CUDA context does not survive a fork; torch loads
-    libcuda at the first CUDA call, e.g. torch.cuda.is_available(), not at import)."""
+    libcuda at the first CUDA call, e.g. torch.cuda.is_available(), not at import). numpy's OpenBLAS starts its
+    thread pool when numpy is imported unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is 1, so on a machine of
+    several cores a launcher without either spawns its forkserver."""
     import os
 
     try:

@@ -130,7 +130,10 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     launcher = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
                                  "--set", "train.log_every=1", "--nproc-per-node", "2", "--run-dir", str(run)],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, pass_fds=(held,))
+                                start_new_session=True, pass_fds=(held,),
+                                # one BLAS thread: numpy's OpenBLAS starts no pool at import, so the launcher
+                                # has one thread and forks its forkserver (launch._fork_is_safe)
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     os.close(held)
     pipe = os.readlink(f"/proc/self/fd/{held_r}")
     deadline = time.monotonic() + 150
