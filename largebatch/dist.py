@@ -162,8 +162,9 @@ def end_process(code: int, ran_group: bool = False) -> None:
     `ran_group`: the caller ran a process group of its own (a training loop of yours with DDP on gloo,
     examples/own_loop.py): the same exit, after your own files are closed (atexit handlers do not run).
     In a worker forked by the launcher's forkserver (`launch.worker`, `returns_to_agent`) code 0 returns: such a
-    process ends with os._exit once its function has returned, without finalization, and the agent counts the worker done only when its return value has arrived (an exit before it would hang the
-    agent); our threads that may be stuck are daemons, which that exit does not wait for.
+    process ends with os._exit once its function has returned, without finalization, and the agent counts the
+    worker done only when its return value has arrived (an exit before it would hang the agent); our threads
+    that may be stuck are daemons, which that exit does not wait for.
     """
     if not (_stuck_threads or _had_group or ran_group):
         return

@@ -26,11 +26,10 @@ starts one per namespaced host). What it adds to torchrun:
    again with no import. The forkserver itself is a fork of this launcher, which has imported torch already,
    made what a fresh interpreter would be (`_fork_forkserver`), where that is safe: one thread (numpy's BLAS
    pool starts none with OMP_NUM_THREADS=1, as in the suite) and no CUDA driver in this process; else
-   multiprocessing spawns it and it imports torch. Each worker is what torchrun
-   would start: its own process session (setsid), line-buffered output, the program's exit code, a traceback on
-   stderr. The forkserver and multiprocessing's
-   resource tracker are stopped when the agent ends, so a launcher leaves no process behind. Any other torchrun
-   command line (--no-python, a script) runs as torchrun runs it.
+   multiprocessing spawns it and it imports torch. Each worker is what torchrun would start: started apart
+   with setsid, line-buffered output, the program's exit code, a traceback on stderr. The forkserver and
+   multiprocessing's resource tracker are stopped when the agent ends, so a launcher leaves no process behind.
+   Any other torchrun command line (--no-python, a script) runs as torchrun runs it.
 """
 from __future__ import annotations
 
@@ -342,7 +341,6 @@ def _as_spawned(passfds: Sequence[int]) -> None:
     named FORKSERVER_NAME. What the launcher still holds in its frames is frozen (gc.freeze), never finalized
     here: its files' numbers may be reused by the workers."""
     import atexit
-    import ctypes
     import faulthandler
     import gc
     import multiprocessing.forkserver as forkserver
@@ -382,8 +380,7 @@ def _as_spawned(passfds: Sequence[int]) -> None:
     for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
         os.closerange(low + 1, high)
     gc.freeze()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(15, FORKSERVER_NAME.encode(), 0, 0, 0)   # PR_SET_NAME
+    _set_process_name(FORKSERVER_NAME)
 
 
 def _stop_forkserver(exc: BaseException | None) -> None:
@@ -450,10 +447,16 @@ WORKER_NAME = "lb-w{rank}-r{attempt}"   # the worker's process name (/proc/PID/c
 def _name_worker() -> None:
     """Name this worker's process after its rank and restart attempt (what `ps` and `largebatch chaos` read):
     a forked worker's environment is set after it started, so /proc/PID/environ does not show its RANK."""
-    import ctypes
     import os
 
-    name = WORKER_NAME.format(rank=os.environ.get("RANK", "?"), attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _set_process_name(WORKER_NAME.format(rank=os.environ.get("RANK", "?"),
+                                         attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def _set_process_name(name: str) -> None:
+    """This process's name as /proc/PID/comm and `ps` show it (Linux's PR_SET_NAME, 15 bytes at most)."""
+    import ctypes
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)   # PR_SET_NAME
 

@@ -51,7 +51,6 @@ from largebatch.commands.study.protocol import RUN_FRACTION
 from largebatch.errors import UserError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
-_RUN = RUN_FRACTION
 
 
 def parser() -> ArgumentParser:
@@ -88,11 +87,11 @@ def _number(value: Any, epochs: float | None, where: str) -> Any:
     each item."""
     if isinstance(value, list):
         return [_number(v, epochs, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, str) and _RUN.match(value):
+    if isinstance(value, str) and RUN_FRACTION.match(value):
         if epochs is None:
             raise UserError(f"{where} is {value!r}, a fraction of the run, but the study gives no epochs; add "
                             "epochs to it (or to common).")
-        a, b = (Fraction(x) for x in _RUN.match(value).groups())   # type: ignore[union-attr]
+        a, b = (Fraction(x) for x in RUN_FRACTION.match(value).groups())   # type: ignore[union-attr]
         if b == 0:
             raise UserError(f"{where} is {value!r}; a fraction of the run needs a divisor above 0.")
         return round(float(epochs * a / b), 3)

@@ -100,6 +100,11 @@ def test_a_study_records_its_protocol_and_a_resume_must_repeat_it(tmp_path, caps
         assert ("holds a study with other settings" in capsys.readouterr().err) == bool(code)
 
 
+# an ensemble claim with one `also` rule, as --protocol takes it
+ALSO = ("{{claims: [{{claim: x, cell: {{variant: {cell}}}, against: {{variant: {against}}}, rule: {{op: '>', "
+        "points: 0}}, also: [{{name: {name}, label: g, figure: {figure}, rule: {{op: '>', points: 0}}}}]}}]}}")
+
+
 @pytest.mark.parametrize("kind, given, words", [
     ("batch-scaling", "{optimisers: {}}", "has ['optimisers']; study batch-scaling takes optimizers, baseline, claims"),
     ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: sgd}, rule: {op: '=>', points: 1}}]}",
@@ -117,11 +122,9 @@ def test_a_study_records_its_protocol_and_a_resume_must_repeat_it(tmp_path, caps
     ("batch-scaling", "{claims: [{claim: x, cell: {batch: 64, optimizer: sgd}, rule: {op: '>', points: 1}, "
                       "also: [{name: g, label: g, figure: noise_scale, rule: {op: '>', points: 0}}]}]}",
      "also[0].figure is \"noise_scale\"; give one of the figures of the claim's row (none: "),
-    ("ensemble", "{claims: [{claim: x, cell: {variant: single}, against: {variant: ensemble}, rule: {op: '>', "
-                 "points: 0}, also: [{name: g, label: g, figure: best_snapshot, rule: {op: '>', points: 0}}]}]}",
+    ("ensemble", ALSO.format(cell="single", against="ensemble", name="g", figure="best_snapshot"),
      "also[0].figure is \"best_snapshot\"; give one of the figures of the claim's row (none: "),
-    ("ensemble", "{claims: [{claim: x, cell: {variant: ensemble}, against: {variant: single}, rule: {op: '>', "
-                 "points: 0}, also: [{name: holds, label: g, figure: swa, rule: {op: '>', points: 0}}]}]}",
+    ("ensemble", ALSO.format(cell="ensemble", against="single", name="holds", figure="swa"),
      "has name \"holds\"; give a name of letters, digits and _ (not one of difference, spread, holds)"),
     ("batch-control", "{variants: {verdict: [\"batch.global_batch={batch}\"]}}",
      "--protocol.variants has the name 'verdict'; give letters, digits, _ . - only"),
@@ -130,8 +133,7 @@ def test_a_study_records_its_protocol_and_a_resume_must_repeat_it(tmp_path, caps
     ("batch-scaling", "{baseline: {optimizer: adam}}", "--protocol.baseline is {\"optimizer\": \"adam\"}; give"),
     ("batch-scaling", "{optimizers: {lars: {lr: 2}}}", "--protocol.optimizers.lars is {\"optim.name\": \"lars\", "),
     ("batch-scaling", "{optimizers: {a/b: {optim.name: sgd}}}", "has the name 'a/b'; give letters, digits"),
-    ("ensemble", "{claims: [{claim: x, cell: {variant: ensemble}, against: {variant: single}, rule: {op: '>', "
-                 "points: 0}, also: [{name: g, label: g, figure: swa2, rule: {op: '>', points: 0}}]}]}",
+    ("ensemble", ALSO.format(cell="ensemble", against="single", name="g", figure="swa2"),
      "also[0].figure is \"swa2\"; give one of the figures of the claim's row (best_snapshot, swa)"),
     ("batch-control", "{claims: [{claim: x, cell: {variant: control}, rule: {op: '>', points: 0}}]}",
      "has no against; give the variant it is measured against"),
