@@ -63,6 +63,9 @@ def _run(request: dict) -> None:
         os.close(fd)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    import faulthandler
+
+    faulthandler.enable()   # a run stopped for not ending (conftest.process_tree_dump) shows its stacks
     import runpy
     import tempfile
 
