@@ -124,9 +124,20 @@ def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
     Without the barrier a rank that finished first closes its connections while rank 0 is still
     writing the summary and plots. On an error path no barrier: the other ranks may be gone.
     The barrier is gloo's monitored barrier where it can be (it names the rank that did not arrive).
+
+    Every group is kept referenced (`_kept_groups`) until the process ends with os._exit (`end_process`, or a
+    warm worker's exit after its return, `launch.worker`), so that no group's C++ destructor ever runs. Why:
+    once a group is destroyed, the last reference to it is DDP's reducer (and a comm hook's state); Python frees
+    those with the GIL held (pybind11's dealloc), and ProcessGroupGloo's destructor then joins its worker threads
+    (pt_gloo_runloop). A worker thread still releasing its last work (an all-gather's Python-owned tensors) waits
+    for that GIL: each waits for the other, for ever. Found in stress runs of 2- and 3-worker launches two at a
+    time on 2 cores (about 1 in 30): rank 0 alive after its peers had ended, its main thread in
+    ~ProcessGroupGloo's std::thread::join under Reducer's dealloc, a gloo thread in gil_scoped_acquire under
+    ~AsyncAllgatherWork.
     """
     if not dist.is_initialized():
         return
+    _kept_groups.extend(_all_groups())
     try:
         if barrier:
             if dist.get_backend() == "gloo":
@@ -137,7 +148,17 @@ def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
         dist.destroy_process_group()
 
 
+def _all_groups() -> list:
+    """The default group and every group made from it (torch's registry of them; the default group alone where a
+    release has no such registry)."""
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    groups = list(registry) if isinstance(registry, dict) else []
+    world = dist.group.WORLD
+    return groups if world in groups or world is None else [world, *groups]
+
+
 _stuck_threads: list[str] = []
+_kept_groups: list = []   # every group `shutdown` destroyed, never freed before the process ends (see there)
 _had_group = False   # this process created a process group (set by `init`)
 returns_to_agent = False   # a worker forked by the launcher's forkserver (launch.worker): code 0 returns to the agent
 
@@ -166,7 +187,7 @@ def end_process(code: int, ran_group: bool = False) -> None:
     worker done only when its return value has arrived (an exit before it would hang the agent); our threads
     that may be stuck are daemons, which that exit does not wait for.
     """
-    if not (_stuck_threads or _had_group or ran_group):
+    if not (_stuck_threads or _had_group or _kept_groups or ran_group):
         return
     if code == 0 and returns_to_agent:
         return

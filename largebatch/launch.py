@@ -349,7 +349,8 @@ def _as_spawned(passfds: Sequence[int]) -> None:
     import types
     from multiprocessing import resource_tracker
 
-    for sig in signal.valid_signals():
+    faulthandler.disable()   # its handlers first: a SIG_DFL below would leave it "enabled" with no handler, and
+    for sig in signal.valid_signals():   # a worker's faulthandler.enable() (torch's `record`) would then do nothing
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_DFL)
@@ -364,8 +365,8 @@ def _as_spawned(passfds: Sequence[int]) -> None:
     threading.setprofile(None)
     threading.settrace(None)
     atexit._clear()
-    if faulthandler.is_enabled() and not os.environ.get("PYTHONFAULTHANDLER") and not sys.flags.dev_mode:
-        faulthandler.disable()
+    if os.environ.get("PYTHONFAULTHANDLER") or sys.flags.dev_mode or "faulthandler" in sys._xoptions:
+        faulthandler.enable()   # as such an interpreter enables it at start-up
     for name, level in _QUIETED.items():
         logging.getLogger(name).setLevel(level)
     forkserver._forkserver._lock = threading.Lock()   # type: ignore[attr-defined]

@@ -49,3 +49,43 @@ def test_the_program_exits_through_it_with_each_kind_of_code(cli):
     assert cli("train", "--set", "optim.lr=-1", "--dry-run").returncode == 2
     proc = cli("config", "optim.lr")
     assert proc.returncode == 0 and "optim.lr" in proc.stdout
+
+
+def test_shutdown_never_frees_a_group_while_python_holds_the_gil():
+    """`largebatch.dist.shutdown` keeps every group it destroys (`_kept_groups`) until the process's os._exit. A
+    group freed from Python runs ProcessGroupGloo's destructor with the GIL held, and it joins gloo's worker
+    threads (pt_gloo_runloop), one of which may be waiting for that GIL to release a finished work's tensors: a
+    rank that never ended. Seen here: gloo's threads outlive the shutdown, and the group's objects (the default
+    group and a subgroup, after an all-gather on each) are the ones kept. Plain torch's destroy_process_group
+    frees the group at once: its threads are joined (the control case, in the same process first)."""
+    code = (
+        "import os, torch, torch.distributed as td\n"
+        "from largebatch import dist as d\n"
+        "from largebatch.launch import free_port\n"
+        "def gloo_threads():\n"
+        "    return sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'pt_gloo_runloop'\n"
+        "               for t in os.listdir('/proc/self/task'))\n"
+        "def start():\n"
+        "    td.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "    sub = td.new_group([0])\n"
+        "    for group in (None, sub):\n"
+        "        out = [torch.zeros(3)]\n"
+        "        td.all_gather(out, torch.ones(3), group=group)\n"
+        "    return td.group.WORLD, sub\n"
+        "start()\n"
+        "running = gloo_threads()\n"
+        "td.destroy_process_group()\n"
+        "print('plain', running, gloo_threads())\n"
+        "world, sub = start()\n"
+        "running = gloo_threads()\n"
+        "d.shutdown(barrier=True, timeout_s=30)\n"
+        "kept = [any(g is x for x in d._kept_groups) for g in (world, sub)]\n"
+        "del world, sub\n"
+        "print('largebatch', running, gloo_threads(), kept)\n"
+        "d.end_process(0)\n")
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    plain, ours = proc.stdout.splitlines()
+    assert plain.split()[1:] == [plain.split()[1], "0"] and int(plain.split()[1]) >= 2, proc.stdout
+    name, running, after, kept = ours.split(" ", 3)
+    assert int(running) >= 4 and after == running and kept == "[True, True]", proc.stdout

@@ -124,7 +124,7 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     forkserver in a session of its own (a signal to the launcher's group does not end it). SIGTERM to the launcher: the workers stop at a step
     boundary with a checkpoint and end by themselves (torch's agent SIGKILLs a worker still there 30 s after
     its SIGTERM: a finished worker used to wait for the agent there), exit 143, and nothing of the launch is left
-    in its process group."""
+    in its process group. Each of them has faulthandler's handlers, as under a spawned forkserver."""
     run = tmp_path / "run"
     held_r, held = os.pipe()   # a file of the launcher's own: neither its forkserver nor a worker may hold it
     launcher = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
@@ -133,7 +133,7 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
                                 start_new_session=True, pass_fds=(held,),
                                 # one BLAS thread: numpy's OpenBLAS starts no pool at import, so the launcher
                                 # has one thread and forks its forkserver (launch._fork_is_safe)
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     os.close(held)
     pipe = os.readlink(f"/proc/self/fd/{held_r}")
     deadline = time.monotonic() + 150
@@ -152,6 +152,9 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
     assert os.getsid(server) == server != os.getsid(launcher.pid)   # a signal to the launcher's group misses it
     assert [_holds(pid, pipe) for pid in (launcher.pid, server, *workers)] == [True, False, False, False]
+    # faulthandler's handlers (PYTHONFAULTHANDLER, as a spawned interpreter has them; torch's `record` enables it in
+    # every worker): a fork that left it "enabled" with SIG_DFL dispositions made that enable a no-op
+    assert all(_catches(pid, signal.SIGABRT) and _catches(pid, signal.SIGSEGV) for pid in (server, *workers))
     os.close(held_r)
     started = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
@@ -172,6 +175,12 @@ def _holds(pid: int, target: str) -> bool:
             if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
                 return True
     return False
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for signal `sig` (/proc/PID/status SigCgt)."""
+    caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
 def _ppid(pid: int) -> int:
