@@ -12,10 +12,16 @@ busy processes keep the cores saturated. The cases, taken in turn:
 - p2p-hook:    the same with comm.algorithm=ring (the comm thread)  -> 0
 - early-error: rank 1 raises a user error at step 1 (LARGEBATCH_FAULTS=error@1:1) -> 2
 - sigterm:     SIGTERM to the launcher after the first logged step  -> 143
+- eval-2, eval-3: a ResNet-18 of width 4 on Fashion-MNIST, 2 steps and the evaluation of all 10,000 test
+               images (an all-gather), on 2 and 3 workers (the shape of the runs in which the end-of-launch
+               deadlock was met, docs/reliability.md's Teardown)                  -> 0
 
 A run is unclean when its exit code differs from the expected one, or its output shows an abort
-("terminate called", "Fatal Python error") or, for the user error, a traceback. The logs of unclean
-runs are kept under --out; the counts go to stdout and --json.
+("terminate called", "Fatal Python error") or, for the user error, a traceback. A run still going at
+--timeout is hung: before it is killed, its processes (pid, parent, name, state, kernel wait, threads) and,
+where py-spy is on PATH, each one's Python and native stacks go into its log, then a SIGABRT to each writes
+the stacks of those with faulthandler on (PYTHONFAULTHANDLER=1 here). The logs of unclean runs are kept under
+--out; the counts go to stdout and --json. --parallel runs that many at a time (the suite runs two).
 """
 from __future__ import annotations
 
@@ -28,7 +34,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,13 +45,19 @@ BASE = ["--set", "train.max_steps=3", "--set", "train.log_every=1", "--set", "tr
 TINY = ["--set", "model.width=8", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=512",
         "--set", "data.image_size=16", "--set", "batch.global_batch=64", "--set", "train.max_steps=8",
         "--set", "train.checkpoint_every=2"]
-CASES = {
-    "finish": ([], {}, 0),
-    "tiny-checkpoints": (TINY, {}, 0),
-    "p2p-hook": (["--set", "comm.algorithm=ring"], {}, 0),
-    "early-error": ([], {"LARGEBATCH_FAULTS": "error@1:1"}, 2),
-    "sigterm": ([], {}, 143),
+EVAL = ["--set", "model.name=resnet18", "--set", "model.stem=small", "--set", "model.width=4",
+        "--set", "train.channels_last=off", "--set", "train.eval_flip=false", "--set", "train.precision=fp32",
+        "--set", "batch.global_batch=48", "--set", "train.max_steps=2"]
+CASES = {   # case: (options, environment, expected exit code, workers)
+    "finish": ([], {}, 0, 2),
+    "tiny-checkpoints": (TINY, {}, 0, 2),
+    "p2p-hook": (["--set", "comm.algorithm=ring"], {}, 0, 2),
+    "early-error": ([], {"LARGEBATCH_FAULTS": "error@1:1"}, 2, 2),
+    "sigterm": ([], {}, 143, 2),
+    "eval-2": (EVAL, {}, 0, 2),
+    "eval-3": (EVAL, {}, 0, 3),
 }
+DEFAULT_CASES = ("finish", "tiny-checkpoints", "p2p-hook", "early-error", "sigterm")
 ABORTS = ("terminate called", "Fatal Python error", "core dumped")
 
 
@@ -54,9 +68,43 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def hung_report(root: int) -> str:
+    """The processes under `root` and (py-spy on PATH) their stacks; then a SIGABRT to each, workers first."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children.setdefault(int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1]),
+                                []).append(int(name))
+        except (OSError, IndexError, ValueError):
+            pass
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    lines = ["processes (pid ppid name state wchan threads):"]
+    for pid in tree:
+        try:
+            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+            lines.append(f"  {pid} {tail.split()[1]} {head.split('(', 1)[1]} {tail.split()[0]} "
+                         f"{Path(f'/proc/{pid}/wchan').read_text().strip()} {len(os.listdir(f'/proc/{pid}/task'))}")
+        except OSError:
+            pass
+    spy = shutil.which("py-spy")
+    for pid in tree if spy else []:
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
+        lines.append(f"py-spy dump --native --pid {pid}:\n{dump.stdout}{dump.stderr}")
+    for pid in reversed(tree):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    time.sleep(2)
+    return "\n".join(lines)
+
+
 def run_one(case: str, run_dir: Path, timeout_s: float) -> tuple[int, str]:
-    extra, env, _ = CASES[case]
-    cmd = [sys.executable, "-m", "largebatch", "train", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+    extra, env, _, workers = CASES[case]
+    cmd = [sys.executable, "-m", "largebatch", "train", "--nproc-per-node", str(workers), "--run-dir", str(run_dir),
            *BASE, *extra]
     log = run_dir.with_suffix(".log")
     with open(log, "w") as out:
@@ -73,14 +121,17 @@ def run_one(case: str, run_dir: Path, timeout_s: float) -> tuple[int, str]:
         try:
             code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            report = hung_report(proc.pid)
             proc.kill()
             code = proc.wait()
-            out.write(f"\nstress: killed after {timeout_s:.0f} s\n")
+            out.write(f"\nstress: hung, killed after {timeout_s:.0f} s\n{report}\n")
     return code, log.read_text()
 
 
 def unclean(case: str, code: int, text: str) -> str | None:
     expected = CASES[case][2]
+    if "stress: hung" in text:
+        return "hung"
     if any(a in text for a in ABORTS):
         return "abort in output"
     if code != expected:
@@ -94,26 +145,29 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--hog", type=int, default=2, help="busy processes beside the runs")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
     p.add_argument("--out", type=Path, default=None, help="keep the logs of unclean runs here")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as hung")
     args = p.parse_args()
     cases = args.cases.split(",")
     unknown = set(cases) - set(CASES)
-    if unknown or args.runs < 1 or args.hog < 0:
-        p.error(f"--cases from {', '.join(CASES)}; --runs >= 1; --hog >= 0 (got {sorted(unknown)})")
+    if unknown or args.runs < 1 or args.hog < 0 or args.parallel < 1:
+        p.error(f"--cases from {', '.join(CASES)}; --runs >= 1; --hog >= 0; --parallel >= 1 (got {sorted(unknown)})")
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
     tmp = Path(tempfile.mkdtemp(prefix="largebatch-stress-"))
     counts = {c: {"runs": 0, "unclean": 0} for c in cases}
     failures = []
     t0 = time.time()
-    try:
-        for i in range(args.runs):
-            case = cases[i % len(cases)]
-            run_dir = tmp / f"run{i:03d}-{case}"
-            code, text = run_one(case, run_dir, args.timeout)
-            why = unclean(case, code, text)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        case = cases[i % len(cases)]
+        run_dir = tmp / f"run{i:03d}-{case}"
+        code, text = run_one(case, run_dir, args.timeout)
+        why = unclean(case, code, text)
+        with lock:
             counts[case]["runs"] += 1
             if why:
                 counts[case]["unclean"] += 1
@@ -122,8 +176,12 @@ def main() -> int:
                     args.out.mkdir(parents=True, exist_ok=True)
                     shutil.copy(run_dir.with_suffix(".log"), args.out / f"run{i:03d}-{case}.log")
             print(f"run {i + 1}/{args.runs} {case}: exit {code}{'  UNCLEAN: ' + why if why else ''}", flush=True)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.with_suffix(".log").unlink(missing_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.with_suffix(".log").unlink(missing_ok=True)
+
+    try:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(one, range(args.runs)))
     finally:
         for h in hogs:
             h.kill()
@@ -131,7 +189,7 @@ def main() -> int:
     total = sum(c["unclean"] for c in counts.values())
     result = {"command": "python scripts/stress_teardown.py " + " ".join(sys.argv[1:]),
               "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-              "hog_processes": args.hog, "runs": args.runs, "unclean": total, "per_case": counts,
+              "hog_processes": args.hog, "parallel": args.parallel, "runs": args.runs, "unclean": total, "per_case": counts,
               "failures": failures, "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(result, indent=2))
     if args.json:
