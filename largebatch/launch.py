@@ -248,7 +248,7 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
         _fork_forkserver(config)
         elastic_launch(config=config, entrypoint=worker)(list(args.training_script_args))
     finally:
-        _stop_forkserver(sys.exc_info()[1])
+        stop_forkserver(sys.exc_info()[1])
     return True
 
 
@@ -384,7 +384,7 @@ def _as_spawned(passfds: Sequence[int]) -> None:
     _set_process_name(FORKSERVER_NAME)
 
 
-def _stop_forkserver(exc: BaseException | None) -> None:
+def stop_forkserver(exc: BaseException | None) -> None:
     """The end of `_launch_warm`: the forkserver (a child of this process, in a session of its own) and
     multiprocessing's resource tracker (a child in this process's group) stopped and waited for, so that this
     launcher leaves no process behind when it exits (the tracker would otherwise end only after this process,
@@ -415,7 +415,7 @@ def worker(argv: list[str]) -> None:
     import traceback
 
     os.setsid()
-    _drop_forkserver_fds()
+    drop_forkserver_fds()
     _name_worker()
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
@@ -486,7 +486,7 @@ def _end_after_return() -> None:
     sys.setprofile(hook)
 
 
-def _drop_forkserver_fds() -> None:
+def drop_forkserver_fds() -> None:
     """In a worker: close what the forkserver hands every process it forks, the write end of its "alive" pipe
     and multiprocessing's resource tracker's pipe. While a worker held them, a SIGKILLed launcher left the
     forkserver waiting for that pipe to close, so the workers' parent never died and `rundir.watch_parent`

@@ -41,6 +41,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def _until_its_cell_trains(study_proc: subprocess.Popen, out: Path) -> None:
     """Wait (up to 120 s) until the study's one cell has logged a training step, or the study has ended."""
     metrics = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
@@ -126,8 +134,9 @@ def test_a_signal_that_comes_as_a_cell_finishes_leaves_the_cell_done_not_failed(
 def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_path):
     """SIGKILL cannot be caught, so the study cannot forward it: its cell (one process here: --nproc-per-node 1
     trains in the cell's process; a launcher does the same and stops its workers) asked the kernel for SIGTERM
-    when the study dies (LARGEBATCH_STUDY_PID, PR_SET_PDEATHSIG), stops with a checkpoint and exits; no process
-    of the cell outlives the study for long, and a new study resumes the cell."""
+    when its parent, the study's forkserver, dies with the study (LARGEBATCH_STUDY_PID, PR_SET_PDEATHSIG), stops
+    with a checkpoint and exits; no process of the cell outlives the study for long, and a new study resumes the
+    cell."""
     out = tmp_path / "study"
     args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
     slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}   # 1 s per step: ~80 s to go
@@ -138,7 +147,11 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
         _until_its_cell_trains(first, out)
         assert first.poll() is None
         family = _descendants(first.pid)
-        assert family   # the cell's process
+        # started warm: forked from the study's forkserver (cells.start_cell), in a session of its own, as the
+        # forkserver is; its death (the study's, through the forkserver's "alive" pipe) is the cell's signal
+        (server,) = [p for p in family if _ppid(p) == first.pid and b"forkserver" in _cmdline(p)]
+        (cell,) = [p for p in family if _ppid(p) == server]
+        assert os.getsid(server) == server and os.getsid(cell) == cell
         first.kill()
         first.wait(timeout=30)
         deadline = time.time() + 40   # far less than the cell's remaining training: it stopped, not finished

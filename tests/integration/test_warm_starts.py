@@ -69,3 +69,32 @@ def test_a_warm_run_past_its_timeout_is_killed(tmp_path):
         if int(stat.rpartition(")")[2].split()[1]) == _WARM.server.pid:
             children.append(pid)
     assert not children
+
+
+def test_a_study_cell_forked_warm_prints_and_exits_as_a_cold_one(tmp_path, monkeypatch):
+    """A study's cells fork from its forkserver (cells.start_cell); where that cannot be (a TMPDIR too long for
+    its socket) a cell is a fresh interpreter. Both append the same output to the cell's log and exit with the
+    program's code."""
+    from largebatch.commands.study import cells
+
+    monkeypatch.chdir(ROOT)
+    logs, codes = {}, {}
+    long_tmp = tmp_path / ("t" * 70)
+    long_tmp.mkdir()
+    try:
+        for kind in ("warm", "cold"):
+            monkeypatch.setattr("tempfile.tempdir", str(long_tmp) if kind == "cold" else None)
+            for args, name in ((DRY, "dry"), (["train", "no_such_recipe.yaml"], "error")):
+                log = tmp_path / f"{kind}-{name}.log"
+                log.write_text("before\n")   # appended to, as a resumed cell's train.log
+                proc = cells.start_cell(args, log, new_session=True)
+                assert isinstance(proc, subprocess.Popen) == (kind == "cold")
+                codes[kind, name] = proc.wait()
+                assert proc.returncode == codes[kind, name]
+                logs[kind, name] = log.read_text()
+    finally:
+        cells.stop_cells()
+    for name in ("dry", "error"):
+        assert codes["warm", name] == codes["cold", name] == (0 if name == "dry" else 2)
+        assert logs["warm", name] == logs["cold", name] and logs["warm", name].startswith("before\n")
+    assert '"recipe": "' in logs["warm", "dry"] and "no_such_recipe.yaml" in logs["warm", "error"]

@@ -1,6 +1,7 @@
 """Steps 3 and 5-6 of a study: each cell is a `largebatch train` of its own, and what the study reads back from it.
 
-3. A cell runs as one process, or with --nproc-per-node 2 or more its own torchrun world, in its own run directory.
+3. A cell runs as one process, or with --nproc-per-node 2 or more its own torchrun world, in its own run directory,
+   forked from the study's forkserver, which imported torch once (`start_cell`).
    A cell with a summary.json is done (status finished or diverged: a result either way); a cell with checkpoints
    resumes from them, so an interrupted study continues where it stopped. Its record in study.json holds its exact
    command, so that one cell can be run again by hand.
@@ -99,6 +100,116 @@ class Stop:
                 os.killpg(self.group, self.signum)
 
 
+# Step 3: what a study's forkserver imports once before it forks each cell (not largebatch: it reads its environment
+# when it imports); forkserver_session first, which puts the forkserver in a session of its own
+CELL_PRELOAD = ("largebatch.forkserver_session", "numpy", "torch", "torch._dynamo", "torch.distributed.run")
+_cells_forked = False   # this study started its cells' forkserver (`stop_cells`)
+
+
+def start_cell(argv: list[str], log: Path, new_session: bool) -> Any:
+    """Step 3: start the cell `largebatch ARGV`, its output (stdout and stderr) appended to LOG, in a session of its
+    own where `new_session`; a handle with `pid`, `wait()` and `returncode` (negative: ended by that signal), as
+    subprocess.Popen's. Warm: forked from the study's forkserver, which imported torch once (`CELL_PRELOAD`), and
+    then `python -m largebatch ARGV` as a fresh interpreter runs it (`_warm_cell`): a cell starts in a tenth of
+    a second instead of the seconds a fresh interpreter takes to import torch. A cell watches the forkserver
+    (LARGEBATCH_STUDY_PID; it ends when the study dies, its "alive" pipe). Cold, a fresh interpreter, where the
+    forkserver's socket path would not fit (a TMPDIR over 64 characters) or it could not start."""
+    global _cells_forked
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+    import tempfile
+
+    server = None
+    if len(tempfile.gettempdir()) <= 64:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(CELL_PRELOAD))
+        with contextlib.suppress(OSError):
+            forkserver.ensure_running()
+            _cells_forked = True
+            server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server is None:
+        env = {**os.environ, STUDY_PID: str(os.getpid())}   # a killed study takes its cell with it
+        with open(log, "a") as out:
+            return subprocess.Popen([sys.executable, "-m", "largebatch", *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+    env = {**os.environ, STUDY_PID: str(server)}   # the cell's parent, which ends with the study
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_warm_cell, args=(argv, os.getcwd(), env, str(log), new_session), name="largebatch-cell")
+    process.start()
+    pid, deadline = int(process.pid or 0), time.monotonic() + 30
+    while new_session and process.is_alive() and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):   # its own session before a signal is forwarded to its group
+            if os.getsid(pid) == pid:
+                break
+        time.sleep(0.001)
+    return _WarmCell(process)
+
+
+class _WarmCell:
+    """A cell forked from the study's forkserver, with Popen's `pid`, `wait()` and `returncode`."""
+
+    def __init__(self, process) -> None:
+        self.process, self.pid, self.returncode = process, process.pid, None
+
+    def wait(self) -> int | None:
+        self.process.join()
+        self.returncode = self.process.exitcode
+        return self.returncode
+
+
+def _warm_cell(argv: list[str], cwd: str, env: dict[str, str], log: str, new_session: bool) -> None:
+    """In the cell the study's forkserver forked: become `python -m largebatch ARGV` in CWD with ENV (as
+    tests/cli_zygote.py's runs do), stdin /dev/null, stdout and stderr appended to LOG; never returns (the
+    program ends with its own exit code, `cli.exit_now`)."""
+    import runpy
+    import tempfile
+    import traceback
+
+    code = 1
+    try:
+        if new_session:
+            os.setsid()
+        from largebatch.launch import drop_forkserver_fds
+
+        drop_forkserver_fds()   # the forkserver then ends with the study, and the cell's launcher starts its own
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for fd, target in ((stdin, 0), (out, 1), (out, 2)):
+            os.dup2(fd, target)
+        os.close(stdin)
+        os.close(out)
+        if not getattr(sys.stdout, "write_through", True):   # a file, buffered as a fresh interpreter buffers it
+            sys.stdout.reconfigure(line_buffering=False)   # type: ignore[union-attr]   # (unless -u)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        tempfile.tempdir = None   # TMPDIR as the cell's environment has it
+        sys.path[0] = os.getcwd()   # python -m puts the working directory first
+        sys.argv = ["-m", *argv]
+        runpy._run_module_as_main("largebatch")   # type: ignore[attr-defined]  # what `python -m` calls
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:   # noqa: BLE001 - printed as python would
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def stop_cells() -> None:
+    """The end of a study: its cells' forkserver (and multiprocessing's resource tracker) stopped and waited for."""
+    global _cells_forked
+    if _cells_forked:
+        from largebatch.launch import stop_forkserver
+
+        stop_forkserver(None)
+        _cells_forked = False
+
+
 def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, console,
              earlier: dict[str, str] | None = None, stop: Stop | None = None) -> dict:
     """Step 3 for one cell: train it unless its summary exists (resume it if it holds a run), then its record:
@@ -120,20 +231,17 @@ def run_cell(args, run_dir: Path, sets: list[str], label: str, position: str, co
         else:
             t0 = time.perf_counter()
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "largebatch", *argv, "--quiet"] + (["--resume"] if resume else [])
-            with open(run_dir / "train.log", "a") as log:
-                # a session of its own: a signal to the study reaches the cell only through `stop` (step 5)
-                env = {**os.environ, STUDY_PID: str(os.getpid())}   # a killed study takes its cell with it
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=stop is not None)
+            # a session of its own: a signal to the study reaches the cell only through `stop` (step 5)
+            proc = start_cell([*argv, "--quiet"] + (["--resume"] if resume else []), run_dir / "train.log",
+                              new_session=stop is not None)
+            if stop is not None:
+                stop.group = proc.pid
+                stop.forward()   # a signal that came before the group was known
+            try:
+                proc.wait()
+            finally:
                 if stop is not None:
-                    stop.group = proc.pid
-                    stop.forward()   # a signal that came before the group was known
-                try:
-                    proc.wait()
-                finally:
-                    if stop is not None:
-                        stop.group = None
+                    stop.group = None
             summ = read_summary(summary_path) if summary_path.exists() else None
             status = summ["status"] if summ is not None else None
             if stop is not None and stop.signum is not None and status is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from largebatch.cli import check_numbers
-from largebatch.commands.study.cells import Stop, check_files, run_cell, stopped
+from largebatch.commands.study.cells import Stop, check_files, run_cell, stop_cells, stopped
 from largebatch.commands.study.directory import SETTINGS, same_study, stored_settings, take_out, write_file
 from largebatch.commands.study.kinds import of_args, parser
 from largebatch.commands.study.plan import cell_dir, cell_label, check_cells, lr_grid, plan_cells
@@ -101,6 +101,7 @@ def run(name: str, argv: list[str]) -> int:
                       f"{args.out / 'study.md'}, {args.out / 'study.json'}, {args.out / 'study.png'}")
         return 0
     finally:   # an error or a stop after --out was taken releases it too (the flock of this process)
+        stop_cells()
         if held is not None:
             held.release()
 
