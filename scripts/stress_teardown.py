@@ -13,8 +13,8 @@ busy processes keep the cores saturated. The cases, taken in turn:
 - early-error: rank 1 raises a user error at step 1 (LARGEBATCH_FAULTS=error@1:1) -> 2
 - sigterm:     SIGTERM to the launcher after the first logged step  -> 143
 - eval-2, eval-3: a ResNet-18 of width 4 on Fashion-MNIST, 2 steps and the evaluation of all 10,000 test
-               images (an all-gather), on 2 and 3 workers (the shape of the runs in which the end-of-launch
-               deadlock was met, docs/reliability.md's Teardown)                  -> 0
+               images (an all-gather), on 2 and 3 workers, OMP_NUM_THREADS=1 (the shape of the suite's runs in
+               which the end-of-launch deadlock was met, docs/reliability.md's Teardown)  -> 0
 
 A run is unclean when its exit code differs from the expected one, or its output shows an abort
 ("terminate called", "Fatal Python error") or, for the user error, a traceback. A run still going at
@@ -54,8 +54,8 @@ CASES = {   # case: (options, environment, expected exit code, workers)
     "p2p-hook": (["--set", "comm.algorithm=ring"], {}, 0, 2),
     "early-error": ([], {"LARGEBATCH_FAULTS": "error@1:1"}, 2, 2),
     "sigterm": ([], {}, 143, 2),
-    "eval-2": (EVAL, {}, 0, 2),
-    "eval-3": (EVAL, {}, 0, 3),
+    "eval-2": (EVAL, {"OMP_NUM_THREADS": "1"}, 0, 2),   # one BLAS thread, as the suite's runs: the launcher forks
+    "eval-3": (EVAL, {"OMP_NUM_THREADS": "1"}, 0, 3),   # its forkserver (launch._fork_is_safe)
 }
 DEFAULT_CASES = ("finish", "tiny-checkpoints", "p2p-hook", "early-error", "sigterm")
 ABORTS = ("terminate called", "Fatal Python error", "core dumped")
