@@ -12,9 +12,10 @@ busy processes keep the cores saturated. The cases, taken in turn:
 - p2p-hook:    the same with comm.algorithm=ring (the comm thread)  -> 0
 - early-error: rank 1 raises a user error at step 1 (LARGEBATCH_FAULTS=error@1:1) -> 2
 - sigterm:     SIGTERM to the launcher after the first logged step  -> 143
-- eval-2, eval-3: a ResNet-18 of width 4 on Fashion-MNIST, 2 steps and the evaluation of all 10,000 test
-               images (an all-gather), on 2 and 3 workers, OMP_NUM_THREADS=1 (the shape of the suite's runs in
-               which the end-of-launch deadlock was met, docs/reliability.md's Teardown)  -> 0
+- eval-2, eval-3: test_train.py's evaluation run as it is (not BASE): a ResNet-18 of width 4 on
+               Fashion-MNIST, 2 steps and the evaluation of all 10,000 test images (an all-gather), on 2 and
+               3 workers, OMP_NUM_THREADS=1 as in the suite (the runs in which the end-of-launch deadlock was
+               met, docs/reliability.md's Teardown)                                -> 0
 
 A run is unclean when its exit code differs from the expected one, or its output shows an abort
 ("terminate called", "Fatal Python error") or, for the user error, a traceback. A run still going at
@@ -45,9 +46,10 @@ BASE = ["--set", "train.max_steps=3", "--set", "train.log_every=1", "--set", "tr
 TINY = ["--set", "model.width=8", "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=512",
         "--set", "data.image_size=16", "--set", "batch.global_batch=64", "--set", "train.max_steps=8",
         "--set", "train.checkpoint_every=2"]
-EVAL = ["--set", "model.name=resnet18", "--set", "model.stem=small", "--set", "model.width=4",
-        "--set", "train.channels_last=off", "--set", "train.eval_flip=false", "--set", "train.precision=fp32",
-        "--set", "batch.global_batch=48", "--set", "train.max_steps=2"]
+EVAL = ["--set", "batch.global_batch=48", "--set", "train.max_steps=2", "--set", "model.name=resnet18",
+        "--set", "model.stem=small", "--set", "model.width=4", "--set", "train.channels_last=off",
+        "--set", "train.eval_flip=false", "--set", "train.precision=fp32", "--set", "train.log_every=1",
+        "--set", "train.plots=false", "--quiet"]   # test_train.py's 3-worker evaluation test, whole (not BASE)
 CASES = {   # case: (options, environment, expected exit code, workers)
     "finish": ([], {}, 0, 2),
     "tiny-checkpoints": (TINY, {}, 0, 2),
@@ -105,7 +107,7 @@ def hung_report(root: int) -> str:
 def run_one(case: str, run_dir: Path, timeout_s: float) -> tuple[int, str]:
     extra, env, _, workers = CASES[case]
     cmd = [sys.executable, "-m", "largebatch", "train", "--nproc-per-node", str(workers), "--run-dir", str(run_dir),
-           *BASE, *extra]
+           *([] if extra is EVAL else BASE), *extra]
     log = run_dir.with_suffix(".log")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
