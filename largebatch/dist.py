@@ -127,13 +127,12 @@ def shutdown(barrier: bool = False, timeout_s: float = 60.0) -> None:
 
     Every group is kept referenced (`_kept_groups`) until the process ends with os._exit (`end_process`, or a
     warm worker's exit after its return, `launch.worker`), so that no group's C++ destructor ever runs. Why:
-    once a group is destroyed, the last reference to it is DDP's reducer (and a comm hook's state); Python frees
-    those with the GIL held (pybind11's dealloc), and ProcessGroupGloo's destructor then joins its worker threads
-    (pt_gloo_runloop). A worker thread still releasing its last work (an all-gather's Python-owned tensors) waits
-    for that GIL: each waits for the other, for ever. Found in stress runs of 2- and 3-worker launches two at a
-    time on 2 cores (about 1 in 30): rank 0 alive after its peers had ended, its main thread in
-    ~ProcessGroupGloo's std::thread::join under Reducer's dealloc, a gloo thread in gil_scoped_acquire under
-    ~AsyncAllgatherWork.
+    once a group is destroyed, the last reference to it can be DDP's reducer, which Python frees with the GIL
+    held (pybind11's dealloc, when `train`'s frame returns); ProcessGroupGloo's destructor then joins its worker
+    threads (pt_gloo_runloop), and one still releasing its last work (an all-gather's tensors) waits for that
+    GIL: each waits for the other, for ever. Seen with py-spy on a hung rank of a 2-worker launch (its peer
+    had ended): the main thread in ~ProcessGroupGloo's std::thread::join under the reducer's dealloc, a gloo
+    thread in gil_scoped_acquire under ~AsyncAllgatherWork (docs/reliability.md, Teardown).
     """
     if not dist.is_initialized():
         return
