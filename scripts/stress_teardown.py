@@ -72,17 +72,9 @@ def cpu_model() -> str:
 
 def hung_report(root: int) -> str:
     """The processes under `root` and (py-spy on PATH) their stacks; then a SIGABRT to each, workers first."""
-    children: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            children.setdefault(int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1]),
-                                []).append(int(name))
-        except (OSError, IndexError, ValueError):
-            pass
-    tree, todo = [], [root]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
+    from largebatch.commands.chaos import _descendants
+
+    tree = [root, *_descendants(root)]
     lines = ["processes (pid ppid name state wchan threads):"]
     for pid in tree:
         try:
