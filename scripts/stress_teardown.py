@@ -40,6 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from largebatch.commands.chaos import hung_report
+
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["--set", "train.max_steps=3", "--set", "train.log_every=1", "--set", "train.plots=false",
         "--set", "train.eval_every=0", "--quiet"]
@@ -70,32 +72,6 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def hung_report(root: int) -> str:
-    """The processes under `root` and (py-spy on PATH) their stacks; then a SIGABRT to each, workers first."""
-    from largebatch.commands.chaos import _descendants
-
-    tree = [root, *_descendants(root)]
-    lines = ["processes (pid ppid name state wchan threads):"]
-    for pid in tree:
-        try:
-            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
-            lines.append(f"  {pid} {tail.split()[1]} {head.split('(', 1)[1]} {tail.split()[0]} "
-                         f"{Path(f'/proc/{pid}/wchan').read_text().strip()} {len(os.listdir(f'/proc/{pid}/task'))}")
-        except OSError:
-            pass
-    spy = shutil.which("py-spy")
-    for pid in tree if spy else []:
-        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
-        lines.append(f"py-spy dump --native --pid {pid}:\n{dump.stdout}{dump.stderr}")
-    for pid in reversed(tree):
-        try:
-            os.kill(pid, signal.SIGABRT)
-        except OSError:
-            pass
-    time.sleep(2)
-    return "\n".join(lines)
-
-
 def run_one(case: str, run_dir: Path, timeout_s: float) -> tuple[int, str]:
     extra, env, _, workers = CASES[case]
     cmd = [sys.executable, "-m", "largebatch", "train", "--nproc-per-node", str(workers), "--run-dir", str(run_dir),
@@ -115,7 +91,7 @@ def run_one(case: str, run_dir: Path, timeout_s: float) -> tuple[int, str]:
         try:
             code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            report = hung_report(proc.pid)
+            report = hung_report(proc.pid)   # its processes and stacks
             proc.kill()
             code = proc.wait()
             out.write(f"\nstress: hung, killed after {timeout_s:.0f} s\n{report}\n")

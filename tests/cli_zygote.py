@@ -65,7 +65,7 @@ def _run(request: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import faulthandler
 
-    faulthandler.enable()   # a run stopped for not ending (conftest.process_tree_dump) shows its stacks
+    faulthandler.enable()   # a run stopped for not ending (chaos.hung_report, from conftest) shows its stacks
     import runpy
     import tempfile
 

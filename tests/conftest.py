@@ -92,7 +92,9 @@ class _WarmStarts:
                     conn.settimeout(timeout)
                     code = reply(conn, pending)["code"]
                 except BaseException as exc:   # as subprocess.run: the run is killed and waited for
-                    where = process_tree_dump(pid)   # a run that did not end: where each of its processes was
+                    from largebatch.commands.chaos import hung_report
+
+                    where = hung_report(pid)   # a run that did not end: where each of its processes was
                     with contextlib.suppress(ProcessLookupError):   # ended by the dump's SIGABRT
                         os.kill(pid, 9)
                     conn.settimeout(None)
@@ -106,46 +108,6 @@ class _WarmStarts:
 
 
 _WARM = _WarmStarts()
-
-
-def process_tree_dump(root: int) -> str:
-    """For a run that did not end in time, before it is killed: each process under `root` (pid, parent, name,
-    state, the kernel function it waits in) and a SIGABRT to each, which makes those with Python's faulthandler
-    on (the run itself, from tests/cli_zygote.py; torch's elastic workers) write every thread's stack to their
-    stderr (a run's stderr, a study cell's train.log) before they end."""
-    import signal
-    import time
-
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    lines = ["the run's processes when it was stopped (pid ppid name state wchan):"]
-    for pid in tree:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-            with open(f"/proc/{pid}/wchan") as f:
-                wchan = f.read().strip()
-            lines.append(f"  {pid} {tail.split()[1]} {head.split('(', 1)[1]} {tail.split()[0]} {wchan}")
-        except OSError:
-            pass
-    for pid in reversed(tree):   # the workers first, then their launchers
-        try:
-            os.kill(pid, signal.SIGABRT)
-        except OSError:
-            pass
-    time.sleep(1)
-    return "\n".join(lines)
 
 
 def run_cli(*args, cwd=None, env=None, timeout=300, check=False):

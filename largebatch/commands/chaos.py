@@ -74,6 +74,36 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def hung_report(root: int) -> str:
+    """For a run that did not end in time, before it is killed: each process under `root` (pid, parent, name,
+    state, the kernel function it waits in, threads), each one's Python and native stacks where py-spy is on PATH,
+    then a SIGABRT to each, workers first, which makes those with Python's faulthandler on (torch's elastic
+    workers; PYTHONFAULTHANDLER) write every thread's stack to their stderr before they end."""
+    import shutil
+    import time
+
+    tree = [root, *_descendants(root)]
+    lines = ["the run's processes when it was stopped (pid ppid name state wchan threads):"]
+    for pid in tree:
+        try:
+            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+            lines.append(f"  {pid} {tail.split()[1]} {head.split('(', 1)[1]} {tail.split()[0]} "
+                         f"{Path(f'/proc/{pid}/wchan').read_text().strip()} {len(os.listdir(f'/proc/{pid}/task'))}")
+        except OSError:
+            pass
+    spy = shutil.which("py-spy")
+    for pid in tree if spy else []:
+        dump = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
+        lines.append(f"py-spy dump --native --pid {pid}:\n{dump.stdout}{dump.stderr}")
+    for pid in reversed(tree):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    time.sleep(2)
+    return "\n".join(lines)
+
+
 def _workers(launcher: int) -> dict[int, tuple[int, int]]:
     """pid -> (rank, restart attempt) of the training workers under the launcher."""
     found = {}

@@ -47,3 +47,28 @@ def test_sigkill_during_checkpoint_writes_never_leaves_a_bad_checkpoint(tmp_path
     assert start > 8   # the writer made progress between kills
     assert len(list(tmp_path.glob("step-*.json"))) <= 3
 
+
+
+def test_a_hung_runs_report_lists_its_processes_and_makes_them_write_their_stacks():
+    """chaos.hung_report (the suite's and stress_teardown.py's report on a run that did not end): a process and its
+    child are listed, the process with its state, and the SIGABRT makes the one with faulthandler on write its
+    stack (here, its sleep) before it ends."""
+    import subprocess
+    import sys
+
+    from largebatch.commands.chaos import hung_report
+
+    code = ("import faulthandler, subprocess, sys, time\n"
+            "faulthandler.enable()\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    report = hung_report(proc.pid)
+    _, err = proc.communicate(timeout=30)
+    rows = report.splitlines()[1:]
+    assert [int(r.split()[0]) for r in rows][:1] == [proc.pid] and len(rows) == 2, report
+    assert rows[0].split()[2:4] == ["python", "S"], report   # asleep in time.sleep
+    assert int(rows[1].split()[1]) == proc.pid, report   # its child, however far its start-up had come
+    assert proc.returncode == -6 and "Fatal Python error: Aborted" in err and "<module>" in err, err

@@ -110,8 +110,8 @@ def start_cell(argv: list[str], log: Path, new_session: bool) -> Any:
     """Step 3: start the cell `largebatch ARGV`, its output (stdout and stderr) appended to LOG, in a session of its
     own where `new_session`; a handle with `pid`, `wait()` and `returncode` (negative: ended by that signal), as
     subprocess.Popen's. Warm: forked from the study's forkserver, which imported torch once (`CELL_PRELOAD`), and
-    then `python -m largebatch ARGV` as a fresh interpreter runs it (`_warm_cell`): a cell starts in a tenth of
-    a second instead of the seconds a fresh interpreter takes to import torch. A cell watches the forkserver
+    then `python -m largebatch ARGV` as a fresh interpreter runs it (`_warm_cell`): a cell does not spend the
+    seconds a fresh interpreter takes to import torch. A cell watches the forkserver
     (LARGEBATCH_STUDY_PID; it ends when the study dies, its "alive" pipe). Cold, a fresh interpreter, where the
     forkserver's socket path would not fit (a TMPDIR over 64 characters) or it could not start."""
     global _cells_forked
