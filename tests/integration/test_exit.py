@@ -59,7 +59,7 @@ def test_shutdown_never_frees_a_group_while_python_holds_the_gil():
     group and a subgroup, after an all-gather on each) are the ones kept. Plain torch's destroy_process_group
     frees the group at once: its threads are joined (the control case, in the same process first)."""
     code = (
-        "import os, torch, torch.distributed as td\n"
+        "import os, time, torch, torch.distributed as td\n"
         "from largebatch import dist as d\n"
         "from largebatch.launch import free_port\n"
         "def gloo_threads():\n"
@@ -71,6 +71,9 @@ def test_shutdown_never_frees_a_group_while_python_holds_the_gil():
         "    for group in (None, sub):\n"
         "        out = [torch.zeros(3)]\n"
         "        td.all_gather(out, torch.ones(3), group=group)\n"
+        "    deadline = time.monotonic() + 20   # a thread is named pt_gloo_runloop once it has started running\n"
+        "    while gloo_threads() < 4 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
         "    return td.group.WORLD, sub\n"
         "start()\n"
         "running = gloo_threads()\n"
@@ -86,6 +89,6 @@ def test_shutdown_never_frees_a_group_while_python_holds_the_gil():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     plain, ours = proc.stdout.splitlines()
-    assert plain.split()[1:] == [plain.split()[1], "0"] and int(plain.split()[1]) >= 2, proc.stdout
+    assert int(plain.split()[1]) >= 4 and plain.split()[2] == "0", proc.stdout   # 2 threads per group
     name, running, after, kept = ours.split(" ", 3)
     assert int(running) >= 4 and after == running and kept == "[True, True]", proc.stdout
