@@ -24,7 +24,7 @@ starts one per namespaced host). What it adds to torchrun:
    forkserver of this launch that imported torch once, instead of starting N interpreters that each import it
    (`import torch, torch._dynamo, torch.distributed.run` is 5.1 s of CPU on a 2-core AMD EPYC); a restart forks
    again with no import. The forkserver itself is a fork of this launcher, which has imported torch already,
-   made what a fresh interpreter would be (`_fork_forkserver`), where that is safe: one thread (numpy's BLAS
+   made what a fresh interpreter would be (`fork_forkserver`), where that is safe: one thread (numpy's BLAS
    pool starts none with OMP_NUM_THREADS=1, as in the suite) and no CUDA driver in this process; else
    multiprocessing spawns it and it imports torch. Each worker is what torchrun would start: started apart
    with setsid, line-buffered output, the program's exit code, a traceback on stderr. The forkserver and
@@ -112,7 +112,7 @@ def quiet_agent_logs() -> None:
 
 _QUIETED: dict[str, int] = {}
 # False where this process imported torch with an environment its workers do not get (`main`: the agent's C++
-# log level): its forkserver is then spawned, not forked (`_fork_forkserver`)
+# log level): its forkserver is then spawned, not forked (`fork_forkserver`)
 torch_as_workers_import_it = True
 
 
@@ -245,15 +245,16 @@ def _launch_warm(torchrun_args: list[str]) -> bool:
     config.start_method = "forkserver"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
     try:
-        _fork_forkserver(config)
+        fork_forkserver(config)
         elastic_launch(config=config, entrypoint=worker)(list(args.training_script_args))
     finally:
         stop_forkserver(sys.exc_info()[1])
     return True
 
 
-def _fork_forkserver(config) -> bool:
-    """Step 4: start this launch's forkserver as a fork of this process, which has imported torch already, where
+def fork_forkserver(config=None) -> bool:
+    """Step 4 (and a study's cells, `cells.start_cell`, with no CONFIG): start this process's forkserver as a fork
+    of this process, which has imported torch already, where
     that is safe (`_fork_is_safe`: one thread, no CUDA driver) and this process imported torch as its workers
     would (`torch_as_workers_import_it`); False: multiprocessing starts it at the first
     worker, as a fresh interpreter that imports `WORKER_PRELOAD` (the same code, `forkserver.main`). It is

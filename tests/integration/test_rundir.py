@@ -119,7 +119,7 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
 
 def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_launch_by_itself(tmp_path):
     """A launch's workers are forked from a forkserver of its own (launch._launch_warm), itself a fork of the
-    launcher, which had imported torch (launch._fork_forkserver), holding none of the launcher's files; each worker
+    launcher, which had imported torch (launch.fork_forkserver), holding none of the launcher's files; each worker
     in a session of its own as torchrun starts them, named after its rank (what `largebatch chaos` reads), the
     forkserver in a session of its own (a signal to the launcher's group does not end it). SIGTERM to the launcher: the workers stop at a step
     boundary with a checkpoint and end by themselves (torch's agent SIGKILLs a worker still there 30 s after
@@ -147,7 +147,7 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     assert all(os.getsid(pid) == pid for pid in workers)   # each in a session of its own, as torchrun starts them
     servers = {_ppid(pid) for pid in workers}
     assert len(servers) == 1 and _ppid(next(iter(servers))) == launcher.pid
-    server = next(iter(servers))   # forked from the launcher, which had imported torch (launch._fork_forkserver)
+    server = next(iter(servers))   # forked from the launcher, which had imported torch (launch.fork_forkserver)
     assert Path(f"/proc/{server}/comm").read_text().strip() == launch.FORKSERVER_NAME
     assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
     assert os.getsid(server) == server != os.getsid(launcher.pid)   # a signal to the launcher's group misses it

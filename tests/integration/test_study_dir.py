@@ -18,6 +18,7 @@ from largebatch.commands.study import tuning
 from largebatch.commands.study.kinds import KINDS
 from largebatch.commands.chaos import _descendants
 from largebatch.errors import UserError
+from largebatch.launch import FORKSERVER_NAME
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,16 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def _cmdline(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _open_files(pid: int) -> set[str]:
+    files = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            files.add(os.readlink(fd))
+    return files
 
 
 def _until_its_cell_trains(study_proc: subprocess.Popen, out: Path) -> None:
@@ -69,7 +78,9 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
     # 1 s per step: the cell is still training when the signal comes, however slow the second study's start-up
     # (with 8 slow steps, a loaded machine let the cell finish first)
     slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT, env={**os.environ, **slow},
+    # one BLAS thread: the study has one thread and forks its cells' forkserver (launch.fork_forkserver)
+    first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT,
+                             env={**os.environ, **slow, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _until_its_cell_trains(first, out)
@@ -140,7 +151,9 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
     out = tmp_path / "study"
     args = ["study", "batch-scaling", *TINY, "--epochs", "16", "--out", str(out)]   # 80 steps
     slow = {"LARGEBATCH_FAULTS": "hang@0:2-80", "LARGEBATCH_FAULT_HANG_S": "1"}   # 1 s per step: ~80 s to go
-    first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT, env={**os.environ, **slow},
+    # one BLAS thread: the study has one thread and forks its cells' forkserver (launch.fork_forkserver)
+    first = subprocess.Popen([sys.executable, "-m", "largebatch", *args], cwd=ROOT,
+                             env={**os.environ, **slow, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     family: list[int] = []
     try:
@@ -149,9 +162,12 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
         family = _descendants(first.pid)
         # started warm: forked from the study's forkserver (cells.start_cell), in a session of its own, as the
         # forkserver is; its death (the study's, through the forkserver's "alive" pipe) is the cell's signal
-        (server,) = [p for p in family if _ppid(p) == first.pid and b"forkserver" in _cmdline(p)]
+        (server,) = [p for p in family if _ppid(p) == first.pid and _comm(p) == FORKSERVER_NAME]
         (cell,) = [p for p in family if _ppid(p) == server]
         assert os.getsid(server) == server and os.getsid(cell) == cell
+        assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()   # a fork of the study, torch imported
+        lock = str(out / ".largebatch.lock")   # the study's flock: the forkserver, a fork, holds none of its files
+        assert lock in _open_files(first.pid) and lock not in _open_files(server)
         first.kill()
         first.wait(timeout=30)
         deadline = time.time() + 40   # far less than the cell's remaining training: it stopped, not finished

@@ -109,7 +109,8 @@ _cells_forked = False   # this study started its cells' forkserver (`stop_cells`
 def start_cell(argv: list[str], log: Path, new_session: bool) -> Any:
     """Step 3: start the cell `largebatch ARGV`, its output (stdout and stderr) appended to LOG, in a session of its
     own where `new_session`; a handle with `pid`, `wait()` and `returncode` (negative: ended by that signal), as
-    subprocess.Popen's. Warm: forked from the study's forkserver, which imported torch once (`CELL_PRELOAD`), and
+    subprocess.Popen's. Warm: forked from the study's forkserver, which imported torch once (`CELL_PRELOAD`; itself
+    a fork of the study where that is safe, `launch.fork_forkserver`, as a launch's is), and
     then `python -m largebatch ARGV` as a fresh interpreter runs it (`_warm_cell`): a cell does not spend the
     seconds a fresh interpreter takes to import torch. A cell watches the forkserver
     (LARGEBATCH_STUDY_PID; it ends when the study dies, its "alive" pipe). Cold, a fresh interpreter, where the
@@ -123,6 +124,10 @@ def start_cell(argv: list[str], log: Path, new_session: bool) -> Any:
     if len(tempfile.gettempdir()) <= 64:
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(CELL_PRELOAD))
         with contextlib.suppress(OSError):
+            if not _cells_forked:   # a fork of this process where that is safe, else a fresh interpreter
+                from largebatch.launch import fork_forkserver
+
+                fork_forkserver()
             forkserver.ensure_running()
             _cells_forked = True
             server = getattr(forkserver._forkserver, "_forkserver_pid", None)
