@@ -111,9 +111,32 @@ def quiet_agent_logs() -> None:
 
 
 _QUIETED: dict[str, int] = {}
-# False where this process imported torch with an environment its workers do not get (`main`: the agent's C++
-# log level): its forkserver is then spawned, not forked (`fork_forkserver`)
+# False where this process imported torch with an environment its workers do not get (`main` where libc10's level
+# cannot be set: the agent's C++ log level from TORCH_CPP_LOG_LEVEL): its forkserver is then spawned, not forked
+# (`fork_forkserver`)
 torch_as_workers_import_it = True
+# `main`: the C++ log level the workers' import of torch gives, which the agent raised for itself after importing
+# torch as they do; a forked forkserver sets it back (`_as_spawned`)
+_workers_cpp_log_level: int | None = None
+
+
+def cpp_log_level() -> Any:
+    """c10's C++ log threshold as a ctypes int: `FLAGS_caffe2_log_level` in torch's libc10, which torch sets from
+    TORCH_CPP_LOG_LEVEL at import and each C++ log call reads (0 INFO .. 3 FATAL; a call below it logs nothing);
+    None where that library does not export it. Found without importing torch (before it, the library is loaded
+    alone; torch's import then takes that copy and sets the level in it)."""
+    import ctypes
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "lib", "libc10.so"))
+        return ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
 
 
 def failed_exit_code(exc) -> int:
@@ -370,6 +393,8 @@ def _as_spawned(passfds: Sequence[int]) -> None:
         faulthandler.enable()   # as such an interpreter enables it at start-up
     for name, level in _QUIETED.items():
         logging.getLogger(name).setLevel(level)
+    if _workers_cpp_log_level is not None:
+        cpp_log_level().value = _workers_cpp_log_level
     forkserver._forkserver._lock = threading.Lock()   # type: ignore[attr-defined]
     tracker: Any = resource_tracker._resource_tracker
     tracker._fd, tracker._pid = None, None   # not this process's child; each worker is handed its pipe
@@ -508,20 +533,27 @@ def drop_forkserver_fds() -> None:
 def main(argv: list[str]) -> int:
     """`python -m largebatch.launch TORCHRUN_ARGS`: an agent in a process of its own (one per node).
 
-    The agent's own C++ warnings are off unless the user set TORCH_CPP_LOG_LEVEL (torch reads it once, at
-    import): a store call to a node that has ended logs 40 lines of stack frames before the exception that
-    step 3 turns into one line. The workers get the environment as it was, and their forkserver is spawned: a fork
-    of this process would keep that level (`torch_as_workers_import_it`)."""
+    The agent's own C++ warnings are off unless the user set TORCH_CPP_LOG_LEVEL: a store call to a node that
+    has ended logs 40 lines of stack frames before the exception that step 3 turns into one line. The agent
+    imports torch as its workers do, then raises its own level to ERROR (`cpp_log_level`), which its forked
+    forkserver sets back to theirs. Where libc10 does not export the level, the agent imports torch with
+    TORCH_CPP_LOG_LEVEL=ERROR (torch reads it once, at import) and the workers get the environment as it was,
+    from a spawned forkserver: a fork would keep that level (`torch_as_workers_import_it`)."""
     import os
 
-    global torch_as_workers_import_it
-    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    if user_level is None:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        import torch  # noqa: F401 - reads the level now
+    global torch_as_workers_import_it, _workers_cpp_log_level
+    if os.environ.get("TORCH_CPP_LOG_LEVEL") is None:
+        level = cpp_log_level()
+        if level is not None:
+            import torch  # noqa: F401 - as the workers import it: sets their level
 
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-        torch_as_workers_import_it = False   # a fork of this process would keep its workers' C++ warnings off
+            _workers_cpp_log_level, level.value = level.value, 2
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+            import torch  # noqa: F401 - reads the level now
+
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+            torch_as_workers_import_it = False   # a fork of this process would keep its workers' C++ warnings off
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:

@@ -256,3 +256,47 @@ def test_teardown_leaves_no_thread_of_ours(tmp_path, one_thread):
     trainer.fit()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("largebatch")]
     assert not rundir.in_use(tmp_path / "run")
+
+
+def _cpp_log_level_of(pid: int) -> int:
+    """c10's C++ log level in process `pid` (`launch.cpp_log_level`'s FLAGS_caffe2_log_level), read from its memory:
+    the variable's offset in libc10.so (as this process has the library mapped) from that process's own mapping."""
+    import ctypes
+
+    def base(maps: str, lib: str) -> int:
+        return min(int(line.split("-")[0], 16) for line in maps.splitlines() if line.endswith(lib))
+
+    level = launch.cpp_log_level()
+    lib = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+               if line.endswith("/libc10.so"))
+    offset = ctypes.addressof(level) - base(Path("/proc/self/maps").read_text(), lib)
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        mem.seek(base(Path(f"/proc/{pid}/maps").read_text(), lib) + offset)
+        return int.from_bytes(mem.read(4), sys.byteorder, signed=True)
+
+
+def test_an_agents_cpp_warnings_are_off_and_its_workers_are_not(tmp_path):
+    """`python -m largebatch.launch` (each host's agent under `emulate hosts`): the agent imports torch as its
+    workers do, then raises its own C++ log level to ERROR (a store call to a node that has ended logs 40 lines of
+    stack frames); its forkserver, a fork of it, and the workers get the level their import gives (WARNING, 1),
+    read from each process's memory."""
+    run = tmp_path / "run"
+    agent = subprocess.Popen([sys.executable, "-m", "largebatch.launch", "--nnodes", "1", "--nproc-per-node", "1",
+                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{launch.free_port()}",
+                              "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
+                              "--set", "train.log_every=1", "--run-dir", str(run)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 150
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read()[-3000:]
+            time.sleep(0.1)
+        (worker,) = _workers_of(agent.pid)
+        server = _ppid(worker)
+        assert _ppid(server) == agent.pid and Path(f"/proc/{server}/comm").read_text().strip() == launch.FORKSERVER_NAME
+        assert [_cpp_log_level_of(pid) for pid in (agent.pid, server, worker)] == [2, 1, 1]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=120)
+    assert agent.returncode == 143 and "Traceback" not in err, err[-3000:]
