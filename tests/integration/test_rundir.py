@@ -275,18 +275,20 @@ def _cpp_log_level_of(pid: int) -> int:
         return int.from_bytes(mem.read(4), sys.byteorder, signed=True)
 
 
-def test_an_agents_cpp_warnings_are_off_and_its_workers_are_not(tmp_path):
+def test_an_agents_cpp_warnings_are_off_and_its_workers_are_not(tmp_path, monkeypatch):
     """`python -m largebatch.launch` (each host's agent under `emulate hosts`): the agent imports torch as its
     workers do, then raises its own C++ log level to ERROR (a store call to a node that has ended logs 40 lines of
     stack frames); its forkserver, a fork of it, and the workers get the level their import gives (WARNING, 1),
     read from each process's memory."""
     run = tmp_path / "run"
-    agent = subprocess.Popen([sys.executable, "-m", "largebatch.launch", "--nnodes", "1", "--nproc-per-node", "1",
-                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{launch.free_port()}",
-                              "-m", "largebatch", "train", *TINY, "--set", "schedule.epochs=40",
-                              "--set", "train.log_every=1", "--run-dir", str(run)],
+    # the torchrun arguments of a local launch (launch.local_workers: a store on a port of its own, a run id of its
+    # own); one BLAS thread, so the agent forks its forkserver (set here: local_workers leaves a set value alone)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    agent = subprocess.Popen([sys.executable, "-m", "largebatch.launch",
+                              *launch.local_workers(1, ["train", *TINY, "--set", "schedule.epochs=40",
+                                                        "--set", "train.log_every=1", "--run-dir", str(run)])],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             start_new_session=True)
     try:
         deadline = time.monotonic() + 150
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
