@@ -36,7 +36,7 @@ train: setup
 
 # The suite runs in TEST_WORKERS pytest processes (pytest-xdist), each taking whole test files: most tests wait on
 # processes they started, so one pytest process leaves a core idle much of the time (2 workers: the main suite in
-# 6 min 50 s, AMD EPYC AVX2, results/reliability/suite_time.log). TEST_WORKERS=0 runs the suite in one process.
+# 6 min 42 s, AMD EPYC AVX2, results/reliability/suite_time.log). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/ruff check largebatch tests scripts
