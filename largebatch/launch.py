@@ -547,7 +547,7 @@ def main(argv: list[str]) -> int:
         if level is not None:
             import torch  # noqa: F401 - as the workers import it: sets their level
 
-            _workers_cpp_log_level, level.value = level.value, 2
+            _workers_cpp_log_level, level.value = level.value, 2   # ERROR (c10's GLOG_ERROR)
         else:
             os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
             import torch  # noqa: F401 - reads the level now

@@ -110,6 +110,32 @@ class _WarmStarts:
 _WARM = _WarmStarts()
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the process's name: [state, ppid, pgrp, session, ...]."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def proc_ppid(pid: int) -> int:
+    return int(proc_stat(pid)[1])
+
+
+def proc_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+def proc_holds(pid: int, target: str) -> bool:
+    """Whether process `pid` has a file open that is `target` (as /proc/PID/fd/N links name it)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+    return False
+
+
 def run_cli(*args, cwd=None, env=None, timeout=300, check=False):
     """Run `python -m largebatch ARGS` as a user would; returns the CompletedProcess. The process is forked from
     a server that has torch imported (tests/cli_zygote.py), unless the environment asks for a cold start."""

@@ -10,6 +10,8 @@ import torch
 
 from largebatch import checkpoint
 
+from conftest import proc_stat
+
 
 def _state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
@@ -49,11 +51,6 @@ def test_sigkill_during_checkpoint_writes_never_leaves_a_bad_checkpoint(tmp_path
 
 
 
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_hung_runs_report_lists_its_processes_and_makes_them_write_their_stacks():
     """chaos.hung_report (the suite's and stress_teardown.py's report on a run that did not end): a process and its
     child are listed, the process with its state, and the SIGABRT makes the one with faulthandler on write its
@@ -71,7 +68,7 @@ def test_a_hung_runs_report_lists_its_processes_and_makes_them_write_their_stack
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     deadline = time.monotonic() + 20   # "ready" is printed before the sleep starts: until then the state reads R
-    while _proc_state(proc.pid) != "S" and time.monotonic() < deadline:
+    while proc_stat(proc.pid)[0] != "S" and time.monotonic() < deadline:
         time.sleep(0.05)
     report = hung_report(proc.pid)
     _, err = proc.communicate(timeout=30)

@@ -1,7 +1,6 @@
 """A run directory belongs to its run: refused without --resume, one writer at a time (a real flock held
 by a real process), workers that stop when their launcher is SIGKILLed, no side effects on directories the
 run did not create, and teardown with no thread of ours left behind."""
-import contextlib
 import json
 import os
 import signal
@@ -15,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from largebatch import checkpoint, launch, rundir
+from largebatch.commands.chaos import _comm
 from largebatch.errors import UserError
 
-from conftest import ROOT, user_error as _user_error
+from conftest import ROOT, proc_alive, proc_holds, proc_ppid, user_error as _user_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,7 +107,7 @@ def test_workers_stop_at_a_checkpoint_when_their_launcher_is_sigkilled(cli, tmp_
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 90
-    while any(_alive(pid) for pid in workers):   # PR_SET_PDEATHSIG: SIGTERM -> stop at the next step
+    while any(proc_alive(pid) for pid in workers):   # PR_SET_PDEATHSIG: SIGTERM -> stop at the next step
         assert time.monotonic() < deadline, "workers kept running after their launcher died"
         time.sleep(0.2)
     assert not rundir.in_use(run)
@@ -145,13 +145,13 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
     assert sorted(_workers(launcher.pid).values()) == [(0, 0), (1, 0)]   # (rank, restart attempt) by process name
     workers = _workers_of(launcher.pid)
     assert all(os.getsid(pid) == pid for pid in workers)   # each in a session of its own, as torchrun starts them
-    servers = {_ppid(pid) for pid in workers}
-    assert len(servers) == 1 and _ppid(next(iter(servers))) == launcher.pid
+    servers = {proc_ppid(pid) for pid in workers}
+    assert len(servers) == 1 and proc_ppid(next(iter(servers))) == launcher.pid
     server = next(iter(servers))   # forked from the launcher, which had imported torch (launch.fork_forkserver)
     assert Path(f"/proc/{server}/comm").read_text().strip() == launch.FORKSERVER_NAME
     assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
     assert os.getsid(server) == server != os.getsid(launcher.pid)   # a signal to the launcher's group misses it
-    assert [_holds(pid, pipe) for pid in (launcher.pid, server, *workers)] == [True, False, False, False]
+    assert [proc_holds(pid, pipe) for pid in (launcher.pid, server, *workers)] == [True, False, False, False]
     # faulthandler's handlers (PYTHONFAULTHANDLER, as a spawned interpreter has them; torch's `record` enables it in
     # every worker): a fork that left it "enabled" with SIG_DFL dispositions made that enable a no-op
     assert all(_catches(pid, signal.SIGABRT) and _catches(pid, signal.SIGSEGV) for pid in (server, *workers))
@@ -165,16 +165,7 @@ def test_workers_fork_from_their_launchers_forkserver_and_a_sigterm_ends_the_lau
         pytest.fail(f"the launcher's stderr:\n{err[-6000:]}")   # whole, not an assertion's shortened diff
     with pytest.raises(ProcessLookupError):   # no forkserver, resource tracker or worker left in the group
         os.killpg(launcher.pid, 0)
-    assert not any(_alive(pid) for pid in workers)
-
-
-def _holds(pid: int, target: str) -> bool:
-    """Whether process `pid` has a file open that is `target` (as /proc/PID/fd/N links name it)."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
-    return False
+    assert not any(proc_alive(pid) for pid in workers)
 
 
 def _catches(pid: int, sig: int) -> bool:
@@ -183,24 +174,11 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def _workers_of(launcher: int) -> list[int]:
     """The launcher's workers, as `largebatch chaos` finds them (by rank: a forked worker's process name)."""
     from largebatch.commands.chaos import _workers
 
     return sorted(_workers(launcher))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_claim_keeps_modes_of_existing_directories_and_locks(tmp_path):
@@ -295,8 +273,8 @@ def test_an_agents_cpp_warnings_are_off_and_its_workers_are_not(tmp_path, monkey
             assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read()[-3000:]
             time.sleep(0.1)
         (worker,) = _workers_of(agent.pid)
-        server = _ppid(worker)
-        assert _ppid(server) == agent.pid and Path(f"/proc/{server}/comm").read_text().strip() == launch.FORKSERVER_NAME
+        server = proc_ppid(worker)
+        assert proc_ppid(server) == agent.pid and _comm(server) == launch.FORKSERVER_NAME
         assert [_cpp_log_level_of(pid) for pid in (agent.pid, server, worker)] == [2, 1, 1]
     finally:
         agent.send_signal(signal.SIGTERM)

@@ -16,9 +16,11 @@ from largebatch import cli as cli_mod
 from largebatch.commands.study import cells as study_cells
 from largebatch.commands.study import tuning
 from largebatch.commands.study.kinds import KINDS
-from largebatch.commands.chaos import _descendants
+from largebatch.commands.chaos import _comm, _descendants
 from largebatch.errors import UserError
 from largebatch.launch import FORKSERVER_NAME
+
+from conftest import proc_alive, proc_holds, proc_ppid
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,30 +34,6 @@ def _refused(proc, *words):
     assert "Traceback" not in proc.stderr, proc.stderr
     for w in words:
         assert w in proc.stderr, proc.stderr
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _comm(pid: int) -> str:
-    return Path(f"/proc/{pid}/comm").read_text().strip()
-
-
-def _open_files(pid: int) -> set[str]:
-    files = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            files.add(os.readlink(fd))
-    return files
 
 
 def _until_its_cell_trains(study_proc: subprocess.Popen, out: Path) -> None:
@@ -99,9 +77,9 @@ def test_a_running_study_owns_its_out_and_sigterm_leaves_its_cell_resumable(cli,
             os.killpg(first.pid, signal.SIGKILL)
     assert first.returncode == 143, err
     deadline = time.time() + 10
-    while time.time() < deadline and any(map(_alive, family)):
+    while time.time() < deadline and any(map(proc_alive, family)):
         time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], "the cell's launcher or workers outlived the study"
+    assert not [p for p in family if proc_alive(p)], "the cell's launcher or workers outlived the study"
     assert "stopped by signal 15 with a checkpoint" in err and "failed" not in err
     (cell,) = json.loads((out / "study.json").read_text())["cells"]
     assert cell["interrupted"] and cell["top1"] is None
@@ -162,20 +140,20 @@ def test_a_sigkilled_study_takes_its_cell_with_it_and_the_cell_resumes(cli, tmp_
         family = _descendants(first.pid)
         # started warm: forked from the study's forkserver (cells.start_cell), in a session of its own, as the
         # forkserver is; its death (the study's, through the forkserver's "alive" pipe) is the cell's signal
-        (server,) = [p for p in family if _ppid(p) == first.pid and _comm(p) == FORKSERVER_NAME]
-        (cell,) = [p for p in family if _ppid(p) == server]
+        (server,) = [p for p in family if proc_ppid(p) == first.pid and _comm(p) == FORKSERVER_NAME]
+        (cell,) = [p for p in family if proc_ppid(p) == server]
         assert os.getsid(server) == server and os.getsid(cell) == cell
         assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()   # a fork of the study, torch imported
         lock = str(out / ".largebatch.lock")   # the study's flock: the forkserver, a fork, holds none of its files
-        assert lock in _open_files(first.pid) and lock not in _open_files(server)
+        assert proc_holds(first.pid, lock) and not proc_holds(server, lock)
         first.kill()
         first.wait(timeout=30)
         deadline = time.time() + 40   # far less than the cell's remaining training: it stopped, not finished
-        while time.time() < deadline and any(map(_alive, family)):
+        while time.time() < deadline and any(map(proc_alive, family)):
             time.sleep(0.2)
-        assert not [p for p in family if _alive(p)], "the cell's process outlived the SIGKILLed study"
+        assert not [p for p in family if proc_alive(p)], "the cell's process outlived the SIGKILLed study"
     finally:
-        for pid in [p for p in family if _alive(p)]:
+        for pid in [p for p in family if proc_alive(p)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert list((out / "runs" / "sgd-b32-s0" / "checkpoints").glob("step-*.json"))   # stopped with a checkpoint
