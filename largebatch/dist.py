@@ -197,13 +197,42 @@ def end_process(code: int, ran_group: bool = False) -> None:
 
 
 def pick_device(choice: str) -> torch.device:
-    from largebatch.errors import UserError
-
+    """This rank's device for `train.device` (auto, cpu, cuda), made the current CUDA device: call it before
+    `init` and before anything else touches CUDA (`bind_device`)."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device is cuda but no CUDA device is visible; set --set train.device=cpu or auto.")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", env_info().local_rank % max(1, torch.cuda.device_count()))
+        return bind_device(env_info())
     return torch.device("cpu")
+
+
+def bind_device(info: DistInfo) -> torch.device:
+    """One GPU per rank, torchrun's layout: `cuda:LOCAL_RANK`, made this process's current device before the
+    process group exists. Why current, not only given: `init_process_group(device_id=)` binds the group to the
+    device but leaves the current device at 0; torch's object collectives (`all_gather_object`,
+    `broadcast_object_list`) marshal on `torch.cuda.current_device()` "and it is the user's responsibility to
+    ensure that this is set so that each rank has an individual GPU" (torch.distributed's docs); so do a barrier,
+    pinned memory, an index-less `"cuda"`, and the DataLoader's pin thread (it takes the device current where its
+    iterator is made). More local workers than visible GPUs is one sentence (NCCL would refuse two ranks on one
+    GPU, "Duplicate GPU detected", after the rendezvous). The current device is per thread: a thread of ours that
+    runs CUDA work sets it too (`use_device`)."""
+    count = torch.cuda.device_count()
+    if info.local_world_size > count or info.local_rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise UserError(f"{info.local_world_size} workers on this node but it shows {count} GPU"
+                        f"{'' if count == 1 else 's'}{shown}, and each worker needs a GPU of its own; start at most "
+                        f"{count} per node (--nproc-per-node {count}), or set train.device=cpu.")
+    device = torch.device("cuda", info.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` current in the calling thread (CUDA's current device is per host thread, and a new thread
+    starts at device 0): the first call of every thread of ours that touches CUDA. A no-op elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:

@@ -190,9 +190,7 @@ def main(argv: list[str]) -> int:
         return run_agent(local_workers(args.nproc, ["bench", "allreduce", *without_options(argv, "--nproc")]))[0]
     from largebatch import dist as ldist
 
-    device = ldist.pick_device("auto")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = ldist.pick_device("auto")   # cuda:LOCAL_RANK, current, before the group
     info = ldist.init(device)
     ldist.set_threads(None, info.local_world_size)
     try:

@@ -260,9 +260,8 @@ def main(argv: list[str]) -> int:
 
     from largebatch import dist as dist_mod
 
-    device = dist_mod.pick_device(args.device)
+    device = dist_mod.pick_device(args.device)   # made current (dist.bind_device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")   # fp32 = TF32 on tensor cores, for every entry alike
     dist_mod.configure_backends(device, deterministic=False)   # cuDNN's benchmark, as `train` has it
     threads = dist_mod.set_threads(args.threads, 1)
