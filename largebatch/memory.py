@@ -12,8 +12,14 @@
    batch (uint8) and its normalised fp32 copy. ResNet-50 at 224 px in fp32 on the CPU: 91.6 MiB per image
    estimated, 94.1 MiB measured once (peak RSS from 4 to 12 images); tests/unit/test_memory.py checks 128 px.
 3. Margin: 10% of the device's memory and 1 GiB on CUDA (the CUDA context, cuDNN's workspace, the allocator's
-   fragmentation); 20% on the CPU (the framework itself and the loader's buffers).
-4. The device's memory: CUDA's total (torch.cuda.get_device_properties), shared by the workers on it; the
+   fragmentation); 20% on the CPU (the framework itself and the loader's buffers). Besides, on CUDA, what
+   other parts hold on the GPU (`Estimate.other_bytes`, named in the description): NCCL's buffers where there
+   are 2+ workers (`NCCL_BYTES`), and with `data.decode: gpu` the decoded-image cache (`data.gpu_cache_gb`, one
+   budget for the run's sources together) and the decoder's output of one step's batch and the next
+   (`DECODED_BYTES_PER_IMAGE` per image).
+4. The device's memory: in a run, the GPU's free memory when the run is built (torch.cuda.mem_get_info on the
+   rank's own device: what other processes hold is not ours to use); in a dry run on a GPU host, the same
+   figure read in a short child process (`gpu_memory`: the dry run's own process creates no CUDA context); the
    CPU's available memory (/proc/meminfo) divided by the local workers; or what the user gives
    (`train.device_memory_gb`, e.g. for a dry run that plans an 80 GB GPU from a laptop).
 5. `batch.micro_batch: auto`: the largest micro-batch whose need (1 + 2 x micro-batch + 3) fits 4, never more
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +46,12 @@ GIB = 2 ** 30
 OOM_RETRY_STEPS = 3   # step 6
 MARGIN = {"cuda": (0.10, 1 * GIB), "cpu": (0.20, 0)}   # fraction of the device, plus bytes
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# NCCL's buffers per process with 2+ workers: NCCL_BUFFSIZE (4 MiB by default) per channel (up to 32 on an H100
+# node), for sending and receiving, for the ring and the tree algorithm (NCCL's environment-variable docs).
+NCCL_BYTES = 4 * 2**20 * 32 * 2 * 2
+# A decoded JPEG of ImageNet's mean size (469 x 387 pixels, RGB uint8), as data.decode gpu's decoder returns it
+# (whole images where a cache is kept; windows, smaller, otherwise): one step's batch and the next one in flight.
+DECODED_BYTES_PER_IMAGE = 469 * 387 * 3
 STATE_COPIES = {"sgd": 1, "lars": 1, "lamb": 2}        # optimizer state in copies of the fp32 weights
 SPREAD_COPIES = {"sgd": 0, "lars": 1, "lamb": 1}       # Spread buffers on CUDA
 
@@ -51,19 +63,31 @@ class Estimate:
     state_bytes: int       # step 1
     per_image_bytes: int   # step 2
     margin_bytes: int      # step 3
+    other_bytes: int = 0   # step 3: what other parts hold on the device (NCCL, the decoded-image cache, ...)
+    other_source: str = ""
 
     def need(self, micro_batch: int) -> int:
-        return self.state_bytes + micro_batch * self.per_image_bytes + self.margin_bytes
+        return self.state_bytes + micro_batch * self.per_image_bytes + self.margin_bytes + self.other_bytes
 
     def largest(self) -> int:
         """The most images of one forward pass that fit (0: not even the model's state fits)."""
-        room = self.device_bytes - self.state_bytes - self.margin_bytes
+        room = self.device_bytes - self.state_bytes - self.margin_bytes - self.other_bytes
         return max(room // max(self.per_image_bytes, 1), 0)
 
     def describe(self, micro_batch: int) -> str:
+        other = f", besides the model {self.other_bytes / GIB:.1f} GiB ({self.other_source})" if self.other_bytes else ""
         return (f"{micro_batch} images a forward pass need {self.need(micro_batch) / GIB:.1f} GiB of "
                 f"{self.device_bytes / GIB:.1f} GiB ({self.device_source}): state {self.state_bytes / GIB:.2f} GiB, "
-                f"{self.per_image_bytes / 2**20:.1f} MiB per image, margin {self.margin_bytes / GIB:.1f} GiB")
+                f"{self.per_image_bytes / 2**20:.1f} MiB per image, margin {self.margin_bytes / GIB:.1f} GiB{other}")
+
+    def with_other(self, parts: list[tuple[str, int]]) -> Estimate:
+        """This estimate with `parts` ((what, bytes)) held on the device besides the model."""
+        parts = [(what, n) for what, n in parts if n > 0]
+        if not parts:
+            return self
+        return replace(self, other_bytes=self.other_bytes + sum(n for _, n in parts),
+                       other_source=", ".join([*filter(None, [self.other_source]),
+                                               *(f"{what} {n / GIB:.1f} GiB" for what, n in parts)]))
 
 
 def saved_bytes_per_image(net: torch.nn.Module, in_channels: int, size: int, precision: str) -> tuple[int, int]:
@@ -106,14 +130,60 @@ def meta_net(cfg, info) -> torch.nn.Module:
 
 def device_memory(device_type: str, device: torch.device | None, local_workers: int, given_gib: float | None
                   ) -> tuple[int, str]:
-    """Step 4: (bytes one worker may use, where that figure comes from)."""
+    """Step 4: (bytes one worker may use, where that figure comes from). `device`: the rank's own CUDA device in a
+    run (current, torchrun's layout: one worker per GPU); None in a dry run."""
     if given_gib is not None:
         return int(given_gib * GIB), f"train.device_memory_gb {given_gib:g}"
     if device_type == "cuda" and device is not None and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)   # one worker per GPU (torchrun's layout)
-        return props.total_memory, f"{props.name}, torch.cuda.get_device_properties"
+        free, total = torch.cuda.mem_get_info(device)   # what other processes hold is not ours
+        name = torch.cuda.get_device_name(device)
+        return min(free, total), f"{name}: {free / GIB:.1f} of {total / GIB:.1f} GiB free, torch.cuda.mem_get_info"
+    if device_type == "cuda":
+        found = gpu_memory()
+        if found:
+            name, free, total = min(found, key=lambda g: g[1])
+            return free, (f"{name}: {free / GIB:.1f} of {total / GIB:.1f} GiB free (the least of {len(found)} "
+                          "GPUs here), torch.cuda.mem_get_info in a child process")
+        available = _available_cpu_bytes()
+        return available // max(local_workers, 1), ("no GPU visible here, so the CPU's available memory / "
+                                                    f"{max(local_workers, 1)}: set train.device_memory_gb to plan "
+                                                    "a GPU")
     available = _available_cpu_bytes()
     return available // max(local_workers, 1), f"the CPU's available memory / {max(local_workers, 1)} local workers"
+
+
+_PROBE = ("import json, torch\n"
+          "print(json.dumps([[torch.cuda.get_device_name(i), *torch.cuda.mem_get_info(i)] "
+          "for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []))")
+
+
+def gpu_memory(timeout_s: float = 120.0) -> list[tuple[str, int, int]]:
+    """(name, free bytes, total bytes) of each visible GPU, read in a child process, so that the caller (a dry run,
+    a launcher that starts workers later) creates no CUDA context of its own: a process that has initialised CUDA
+    cannot fork workers that use it, and a context holds about half a GiB of the GPU. [] where there is none or
+    the child fails."""
+    import json
+    import subprocess
+
+    if not torch.cuda.is_available():   # NVML/driver query only: no context
+        return []
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+        return [(str(n), int(f), int(t)) for n, f, t in json.loads(out.stdout.strip().splitlines()[-1])]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return []
+
+
+def others_on_device(cfg, device_type: str, world_size: int, per_worker_batch: int) -> list[tuple[str, int]]:
+    """Step 3's other parts on a CUDA device for a run of `cfg`: NCCL's buffers (2+ workers), data.decode gpu's
+    cache (data.gpu_cache_gb, one budget for the run) and its decoded images of two steps."""
+    if device_type != "cuda":
+        return []
+    parts = [("NCCL buffers", NCCL_BYTES if world_size > 1 else 0)]
+    if getattr(cfg.data, "decode", "cpu") == "gpu":
+        parts += [("data.gpu_cache_gb", int(cfg.data.gpu_cache_gb * GIB)),
+                  ("decoded images", 2 * per_worker_batch * DECODED_BYTES_PER_IMAGE)]
+    return parts
 
 
 def _available_cpu_bytes() -> int:
@@ -179,8 +249,9 @@ def fit_micro_batch(est: Estimate, per_worker: int, what: str = "the model", fix
     `what` (the model and its width) and `fix`."""
     largest = est.largest()
     if largest < 1:
+        other = f" and {est.other_bytes / GIB:.1f} GiB of {est.other_source}" if est.other_bytes else ""
         raise UserError(f"{what} does not fit in memory: its state alone ({est.state_bytes / GIB:,.1f} GiB with a "
-                        f"{est.margin_bytes / GIB:.1f} GiB margin) is more than the {est.device_bytes / GIB:.1f} GiB "
+                        f"{est.margin_bytes / GIB:.1f} GiB margin{other}) is more than the {est.device_bytes / GIB:.1f} GiB "
                         f"of {est.device_source}; give {fix}, a device with more memory, or train.device_memory_gb "
                         "if that figure is wrong.")
     return min(largest, per_worker)
@@ -210,8 +281,11 @@ def resolve(cfg, info, *, world_size: int, local_workers: int, device_type: str,
     """Step 5 for a run: (the micro-batch cap that `batch.micro_batch: auto` resolves to, or None where the
     recipe decides the split itself, the estimate). The cap is for the largest per-worker batch of any phase."""
     device_bytes, source = device_memory(device_type, device, local_workers, cfg.train.device_memory_gb)
+    batches = [p.global_batch for p in cfg.batch.phases] or [cfg.batch.global_batch]
+    per_worker = max(batches) // max(world_size, 1)
     try:
-        est = estimate(cfg, info, device_type, device_bytes, source)
+        est = estimate(cfg, info, device_type, device_bytes, source).with_other(
+            others_on_device(cfg, device_type, world_size, per_worker))
     except Exception as err:   # noqa: BLE001 - a model that does not run on the meta device: no estimate
         if cfg.batch.micro_batch == "auto" and cfg.batch.accumulation is None and os.environ.get("RANK", "0") == "0":
             print(f"largebatch: batch.micro_batch auto cannot estimate this model's memory on the meta device "
@@ -220,6 +294,5 @@ def resolve(cfg, info, *, world_size: int, local_workers: int, device_type: str,
         return None, None
     if cfg.batch.micro_batch != "auto" or cfg.batch.accumulation is not None:
         return None, est
-    batches = [p.global_batch for p in cfg.batch.phases] or [cfg.batch.global_batch]
-    return fit_micro_batch(est, max(batches) // max(world_size, 1), f"model {cfg.model.name} at width "
+    return fit_micro_batch(est, per_worker, f"model {cfg.model.name} at width "
                            f"{cfg.model.width}", "a smaller model.width"), est

@@ -209,7 +209,8 @@ def _memory(args, v: dict[str, Any], kw: dict) -> dict:
     source = f"{entry.get('name', args.device)}: {entry.get('memory_gb_source', 'the catalog')}"
     est = memory.estimate_net(net, in_channels=v["in_channels"], image_size=max(sizes), precision=v["precision"],
                               optimizer=v["optimizer"], momentum=0.9, ema=False, device_type="cuda",
-                              device_bytes=int(float(entry["memory_gb"]) * 1e9), source=source)
+                              device_bytes=int(float(entry["memory_gb"]) * 1e9), source=source
+                              ).with_other([("NCCL buffers", memory.NCCL_BYTES if args.devices > 1 else 0)])
     batches = [gb for _, gb in (v["batch_phases"] or [])] or [v["global_batch"]]
     cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1), f"model {v['model']} at width "
                                  f"{v['width']}", "a smaller --width")

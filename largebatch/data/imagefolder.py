@@ -274,6 +274,15 @@ class ImageFolderSource:
         self._loader = None
 
 
+def split_cache(cache_gb: float, train_images: int, test_images: int) -> tuple[float, float]:
+    """data.gpu_cache_gb is one budget for the run (largebatch/memory.py subtracts it once from the memory the
+    micro-batch may use): the training and the evaluation source share it by their numbers of images."""
+    total = train_images + test_images
+    if cache_gb <= 0 or total == 0:
+        return 0.0, 0.0
+    return cache_gb * train_images / total, cache_gb * test_images / total
+
+
 def build_imagefolder(cfg, seed: int):
     from largebatch.data.info import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
 
@@ -292,10 +301,10 @@ def build_imagefolder(cfg, seed: int):
     from largebatch.data.gpu_jpeg import check_decode
 
     common = dict(size=cfg.image_size, min_scale=cfg.min_scale, seed=seed, workers=cfg.loader_workers,
-                  on_corrupt=cfg.on_corrupt, gpu=check_decode(cfg.decode, cfg.dataset), gpu_cache_gb=cfg.gpu_cache_gb,
-                  gpu_decoder=cfg.gpu_decoder)
-    train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, **common)
-    test = ImageFolderSource(val_paths, val_labels, augment=False, **common)
+                  on_corrupt=cfg.on_corrupt, gpu=check_decode(cfg.decode, cfg.dataset), gpu_decoder=cfg.gpu_decoder)
+    train_cache, test_cache = split_cache(cfg.gpu_cache_gb, len(train_paths), len(val_paths))
+    train = ImageFolderSource(train_paths, train_labels, augment=cfg.augment, gpu_cache_gb=train_cache, **common)
+    test = ImageFolderSource(val_paths, val_labels, augment=False, gpu_cache_gb=test_cache, **common)
     info = DatasetInfo(len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train), len(test),
                        f"imagefolder:{root.name}", tuple(classes))
     return train, test, info

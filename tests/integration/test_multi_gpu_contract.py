@@ -77,7 +77,7 @@ def test_every_rank_names_its_own_gpu_from_start_to_end(tmp_path):
         # would be seen): object collectives, DDP, the pin thread, the step's streams, evaluation, the checkpoint
         # barrier, the SWA BN pass
         assert {"collective all_gather_object (current device)", "collective broadcast_object_list (current device)",
-                "DistributedDataParallel(device_ids)", "pin_memory", "record_stream"} <= whats, whats
+                "DistributedDataParallel(device_ids)", "pin_memory", "record_stream", "mem_get_info"} <= whats, whats
         assert any(r["what"] == "set_device" and r["thread"] != "MainThread" for r in records)   # torch's pin thread
         for part in ("save_checkpoint", "recompute_bn", "preflight", "agree"):
             assert part in where, part

@@ -127,3 +127,61 @@ def test_plan_prints_memory_per_device_from_the_catalog_and_refuses_a_model_that
     with pytest.raises(UserError, match=r"model resnet50 at width 640 does not fit in memory: its state alone \(.* GiB "
                                         r"with a .* GiB margin\) is more than the 14.9 GiB of NVIDIA Tesla V100"):
         plan.main(["--device", "v100", "--width", "640", "--json"])
+
+
+def test_what_else_the_gpu_holds_is_subtracted_from_the_micro_batchs_memory_and_said():
+    """NCCL's buffers (2+ workers) and data.decode gpu's cache and decoded images are held on the GPU besides the
+    model: the micro-batch gets less, the dry run names each part; the cache is one budget for the run."""
+    from largebatch import memory
+    from largebatch.data.imagefolder import split_cache
+
+    base = ["train.device_memory_gb=40", "data.dataset=imagefolder", "data.train_size=1281167", "train.precision=bf16"]
+    alone = dry_run(config.load("imagenet_resnet50_lars_32k", base), 8, "--world-size")
+    cached = dry_run(config.load("imagenet_resnet50_lars_32k", [*base, "data.decode=gpu", "data.gpu_cache_gb=12"]),
+                     8, "--world-size")
+    assert "NCCL buffers 0.5 GiB" in alone["memory"] and "data.gpu_cache_gb" not in alone["memory"]
+    assert "data.gpu_cache_gb 12.0 GiB" in cached["memory"] and "decoded images" in cached["memory"]
+    assert cached["micro_batch"] < alone["micro_batch"]
+    assert cached["micro_batch"] * cached["accumulation"] == alone["per_worker_batch"]   # the batch as asked
+    one = dry_run(config.load("imagenet_resnet50_lars_32k", base), 1, "--world-size")
+    assert "NCCL" not in one["memory"]
+    assert memory.others_on_device(config.load("fashion_mnist"), "cpu", 8, 256) == []
+    train, test = split_cache(12.0, 1_281_167, 50_000)
+    assert train + test == pytest.approx(12.0) and test == pytest.approx(12.0 * 50_000 / 1_331_167)
+    assert split_cache(0.0, 10, 10) == (0.0, 0.0)
+
+
+def test_a_gpu_is_planned_with_its_free_memory(monkeypatch):
+    """In a run: the rank's own GPU's free memory (mem_get_info), not its total; in a dry run on a GPU host: the
+    least free of the GPUs, read in a child process (`gpu_memory`); without a GPU the source says how to plan one."""
+    from largebatch import memory
+
+    gib = memory.GIB
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake H100")
+    got, source = memory.device_memory("cuda", torch.device("cuda", 1), 8, None)
+    assert got == 30 * gib and "30.0 of 80.0 GiB free" in source and "Fake H100" in source
+    monkeypatch.setattr(memory, "gpu_memory", lambda: [("Fake H100", 70 * gib, 80 * gib), ("Fake H100", 60 * gib,
+                                                                                             80 * gib)])
+    got, source = memory.device_memory("cuda", None, 8, None)
+    assert got == 60 * gib and "least of 2 GPUs" in source
+    monkeypatch.setattr(memory, "gpu_memory", lambda: [])
+    got, source = memory.device_memory("cuda", None, 8, None)
+    assert "set train.device_memory_gb" in source
+    assert memory.device_memory("cuda", None, 8, 80.0) == (80 * gib, "train.device_memory_gb 80")
+
+
+def test_the_child_process_probe_lists_each_gpu(monkeypatch, capsys):
+    """`gpu_memory`'s child program, run here against a stand-in torch.cuda of two GPUs: one [name, free, total]
+    per device, the JSON `gpu_memory` parses."""
+    import json
+
+    from largebatch import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU{i}")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (10 + i, 80))
+    exec(memory._PROBE, {})
+    assert json.loads(capsys.readouterr().out) == [["GPU0", 10, 80], ["GPU1", 11, 80]]
