@@ -151,7 +151,8 @@ class DataConfig(Section):
                                 doc="data.decode gpu: nvImageCodec decodes only the crop window, on the hardware "
                                     "JPEG decoder where there is one; torchvision decodes whole images with nvJPEG; "
                                     "auto: nvImageCodec where it loads")
-    gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off)",
+    gpu_cache_gb: float = _doc(0.0, "data.decode gpu: keep decoded images in this much GPU memory (0 = off): one budget "
+                               "for training and evaluation images, taken from the micro-batch's memory",
                                bounds="[0, 4096]", says="{key} is {value}; give {low} (off) to {high} GiB.")
     num_classes: int = _doc(10, "classes of the synthetic source, and of webdataset shards (labels 0..num_classes-1)",
                             bounds="[2, 1000000]", says="{key} is {value}; a classifier needs {low} or more classes.",
