@@ -35,7 +35,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -255,10 +255,27 @@ def pick_decoder(choice: str, device: torch.device, order: CudaOrder | None = No
         return TorchvisionDecoder(order)
 
 
+class PlannedBatch(NamedTuple):
+    """A worker's planned batch (step 1). `ready` holds only the images decoded on the CPU here, in the order of
+    their empty `blobs`. `pin_memory` is what the DataLoader's pin thread calls on it (a type with its own
+    `pin_memory`, torch.utils.data's documented hook): only `ready` is copied to the GPU, so only it is pinned;
+    the JPEG bytes are read by the decoder from the host as they are."""
+    blobs: list
+    plans: list
+    ready: torch.Tensor
+    y: torch.Tensor
+    kept: torch.Tensor
+    paths: list
+    corrupt: list
+
+    def pin_memory(self, device: Any = None) -> PlannedBatch:
+        return self._replace(ready=self.ready.pin_memory()) if self.ready.numel() else self
+
+
 class PlanDecoder(torch.utils.data.Dataset):
-    """Step 1: item (epoch, train, indices) -> (JPEG bytes per image, plans, CPU-finished pixels, labels, kept
-    indices, corrupt paths). Bytes are uint8 tensors; an image decoded here has empty bytes and its pixels in
-    `ready` (one S x S x 3 slot per image)."""
+    """Step 1: item (epoch, train, indices) -> `PlannedBatch`: JPEG bytes per image, plans, the pixels of the images
+    decoded here (CMYK, YCCK, other formats: an empty blob each, their pixels in `ready` in order), labels, kept
+    indices, corrupt paths."""
 
     def __init__(self, paths: np.ndarray, labels: torch.Tensor, size: int, min_scale: float, seed: int) -> None:
         self.paths, self.labels, self.size, self.min_scale, self.seed = paths, labels, size, min_scale, seed
@@ -268,7 +285,8 @@ class PlanDecoder(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, bool, torch.Tensor]):
         epoch, train, indices = item
-        ready = torch.empty((len(indices), self.size, self.size, 3), dtype=torch.uint8)
+        slots = torch.empty((len(indices), self.size, self.size, 3), dtype=torch.uint8)
+        on_cpu = 0
         blobs: list[torch.Tensor] = []
         plans: list[tuple] = []
         kept: list[int] = []
@@ -285,8 +303,9 @@ class PlanDecoder(torch.utils.data.Dataset):
                     blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 else:   # nvJPEG takes no CMYK/YCCK and no other format: the CPU path decodes it here
                     jpeg.decode_crop(data, self.size, train=train, min_scale=self.min_scale, seed=self.seed,
-                                     epoch=epoch, index=i, out=ready[len(kept)])
+                                     epoch=epoch, index=i, out=slots[on_cpu])
                     blob = empty
+                    on_cpu += 1
             except (jpeg.CorruptImage, OSError):
                 corrupt.append(path)
                 continue
@@ -294,8 +313,9 @@ class PlanDecoder(torch.utils.data.Dataset):
             plans.append((plan.h, plan.w, plan.colorspace, plan.box, plan.k, plan.flip))
             kept.append(i)
         kept_t = torch.tensor(kept, dtype=torch.int64)
-        return blobs, plans, ready[:len(kept)], self.labels[kept_t], kept_t, [str(self.paths[i]) for i in kept], \
-            corrupt
+        ready = slots[:on_cpu].clone() if on_cpu < len(indices) else slots   # a copy: not N slots through the pipe
+        return PlannedBatch(blobs, plans, ready, self.labels[kept_t], kept_t, [str(self.paths[i]) for i in kept],
+                            corrupt)
 
 
 class DecodedCache:
@@ -365,19 +385,24 @@ class GpuFinisher:
     def _decode_all(self, blobs: list[torch.Tensor], plans: list[jpeg.CropPlan], device: torch.device
                     ) -> list[torch.Tensor | None]:
         """Step 2: the batch in one call, or image by image when the call fails (torchvision fails the batch
-        for one image it rejects). None: an image the GPU decoder rejects."""
+        for one image it rejects) or returns another number of images than it was given (then which image is
+        which is not known). None: an image the GPU decoder rejects."""
         if not blobs:
             return []
         try:
-            return list(self.decode(blobs, plans, device))
+            got = list(self.decode(blobs, plans, device))
+            if len(got) == len(blobs):
+                return got
         except (RuntimeError, ValueError):   # torchvision raises RuntimeError on a JPEG it rejects
-            out: list[torch.Tensor | None] = []
-            for blob, plan in zip(blobs, plans):
-                try:
-                    out.append(self.decode([blob], [plan], device)[0])
-                except (RuntimeError, ValueError):
-                    out.append(None)
-            return out
+            pass
+        out: list[torch.Tensor | None] = []
+        for blob, plan in zip(blobs, plans):
+            try:
+                one = list(self.decode([blob], [plan], device))
+                out.append(one[0] if len(one) == 1 else None)
+            except (RuntimeError, ValueError):
+                out.append(None)
+        return out
 
     def _order_cache_hits(self, hits: list[int], device: torch.device) -> None:
         """Step 5: the current stream waits for each other stream that wrote a cached image it is to read."""
@@ -413,9 +438,11 @@ class GpuFinisher:
         todo: list[int] = []
         hits: list[int] = []
         on_cpu: set[int] = set()
+        row = 0   # the next of `ready`'s rows: the images the worker decoded, in order
         for j in range(n):
             if blobs[j].numel() == 0:
-                out[j].copy_(ready[j], non_blocking=True)
+                out[j].copy_(ready[row], non_blocking=True)
+                row += 1
                 continue
             if int(kept[j]) in self.rejected:   # step 3 at once: the GPU decoder rejected it before
                 on_cpu.add(j)

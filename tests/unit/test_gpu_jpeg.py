@@ -31,6 +31,7 @@ from largebatch.data.gpu_jpeg import (
     GpuFinisher,
     NvImageCodecDecoder,
     PlanDecoder,
+    PlannedBatch,
     TorchvisionDecoder,
     check_decode,
     crop_window,
@@ -174,6 +175,45 @@ def test_an_image_the_decoder_rejects_is_dropped_and_named(tmp_path):
     assert y.tolist() == [i for i in range(len(paths)) if i != 3] and x.shape[0] == len(paths) - 1
 
 
+
+
+def test_only_the_images_decoded_on_the_cpu_travel_as_pixels_and_only_they_are_pinned(tmp_path, monkeypatch):
+    """A planned batch carries one S x S x 3 row per image the worker decoded (the CMYK one), not one per image;
+    the DataLoader's pin thread (torch's `pin_memory`, which calls a type's own `pin_memory`) pins those pixels and
+    leaves the JPEG bytes as they are."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    paths = _images(tmp_path)
+    item = PlanDecoder(np.array(paths), torch.arange(len(paths)), SIZE, 0.08, seed=1)[(0, True,
+                                                                                      torch.arange(len(paths)))]
+    assert item.ready.shape == (1, SIZE, SIZE, 3) and sum(b.numel() == 0 for b in item.blobs) == 1
+    pinned: list[tuple] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: pinned.append(tuple(t.shape)) or t)
+    assert isinstance(pin_memory(item), PlannedBatch)
+    assert pinned == [(1, SIZE, SIZE, 3)]
+    none_on_cpu = PlanDecoder(np.array(paths[:5]), torch.arange(5), SIZE, 0.08, seed=1)[(0, True, torch.arange(5))]
+    assert none_on_cpu.ready.numel() == 0
+    pin_memory(none_on_cpu)
+    assert pinned == [(1, SIZE, SIZE, 3)]   # nothing to pin: no copy
+
+
+def test_a_decoder_that_returns_fewer_images_than_asked_is_decoded_image_by_image(tmp_path):
+    """nvImageCodec can return a shorter list than its request; zipping it with the request would shift every
+    later image onto another's label. The batch is decoded one image at a time instead, with the same pixels."""
+    paths = _images(tmp_path)
+    item = PlanDecoder(np.array(paths), torch.arange(len(paths)), SIZE, 0.08, seed=1)[(0, True,
+                                                                                      torch.arange(len(paths)))]
+    calls: list[int] = []
+
+    def short(blobs, plans, device):
+        calls.append(len(blobs))
+        out = _cpu_decode(blobs, plans, device)
+        return out[1:] if len(out) > 1 else out   # drops the first image of a batch
+
+    x, y, corrupt = GpuFinisher(SIZE, 0.0, CPU, decode=short)(item)
+    want, y_want, _ = GpuFinisher(SIZE, 0.0, CPU, decode=_cpu_decode)(item)
+    assert corrupt == [] and torch.equal(x, want) and torch.equal(y, y_want)
+    assert calls[0] == len(paths) - 1 and calls[1:] == [1] * (len(paths) - 1)
 
 
 # ------------------------------------------------------------------------------ fakes: CUDA streams, the decoders
