@@ -31,18 +31,31 @@ captured once per batch shape and replayed each step with no Python and no host 
    the graph's loss tensor, which the caller adds up before the next replay.
 6. A capture that fails stops the run with one sentence naming the first error and `train.cuda_graph=off`:
    a failed capture can leave GradScaler between its unscale and update, and torch's allocator in a state
-   that later captures trip over, so training does not go on in that process.
+   that later captures trip over, so training does not go on in that process. The first error is the one
+   the capture raised, or the one that error was raised while handling (one hop of `__context__`, unless
+   suppressed): a failed capture's `__exit__` raises its own error on top of the body's, and anything deeper
+   is what the body's code handled on its way. Running out of memory during capture is a batch too large
+   for the device, a user error as in an eager step (the trainer's out-of-memory sentence, memory.py 6):
+   that sentence names a smaller `batch.micro_batch`, not the graph.
+7. Lifetime: `close()` (called by `Trainer.close`) synchronises and resets every graph then, not at whatever
+   time the cyclic garbage collector gets to them. Destroying a graph frees its memory and, with torch's
+   per-stream cuBLAS workspaces, can free a workspace another live graph still uses (an illegal address in
+   that graph's next replay, reported in PyTorch's tracker), so several trainers in one process (`bench train`, the tests) must not leave
+   graphs for the collector. The GraphedStep holds its TrainStep by a weak reference (the TrainStep holds
+   it as `graph`): no reference cycle, so graphs are freed by reference counting at the latest.
 
 The CUDA calls go through `cuda` (torch.cuda by default), so tests/fake_cuda.py can stand in for it on CPU.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from largebatch.errors import UserError
+from largebatch.step import zero_grads
 
 WARMUP = 3   # eager steps of each new batch shape before its capture (torch's recipe for one process)
 
@@ -87,11 +100,11 @@ class _Captured:
 
 
 class GraphedStep:
-    """Steps 2-6 over a `step.TrainStep`: call it as the TrainStep calls its body. `cuda` is torch.cuda, or a
+    """Steps 2-7 over a `step.TrainStep`: call it as the TrainStep calls its body. `cuda` is torch.cuda, or a
     stand-in with its graph, stream, pool and synchronize calls (tests/fake_cuda.py)."""
 
     def __init__(self, train_step, *, cuda: Any = None, warmup: int = WARMUP) -> None:
-        self.ts = train_step
+        self.ts = weakref.proxy(train_step)         # not a cycle with train_step.graph (step 7)
         self.cuda = cuda if cuda is not None else torch.cuda
         self.device = train_step.device
         self.warmup = warmup
@@ -102,7 +115,7 @@ class GraphedStep:
         self.seen: dict[tuple, int] = {}            # eager steps run per batch key in the current phase
         self.poison = torch.ones((), device=self.device)
         self.captures = 0                           # graphs captured (tests, the log)
-        self.released = 0                           # graphs reset at phase changes
+        self.released = 0                           # graphs reset at phase changes and at close
 
     def shape(self, micros, phase, size) -> tuple[tuple, tuple]:
         """Step 2: (batch key, phase key): what a capture bakes in."""
@@ -135,9 +148,15 @@ class GraphedStep:
                 self.released += 1
         self.graphs, self.seen, self.pool = {}, {}, None
 
+    def close(self) -> None:
+        """Step 7: every graph synchronised, reset and dropped with its static inputs and pool, now. Idempotent;
+        a later call captures afresh."""
+        self.release()
+        self.phase_key = None
+
     def _zero_grads(self) -> None:
         """Gradients zeroed in place: their memory stays where the graphs read and write it (step 4)."""
-        self.ts.optimizer.zero_grad(set_to_none=False)
+        zero_grads(self.ts.optimizer)
 
     def _eager(self, step, micros, phase, size, poisoned) -> torch.Tensor:
         """A warm-up step, on the side stream as torch's recipe has it."""
@@ -168,10 +187,15 @@ class GraphedStep:
                 self._zero_grads()
                 loss_out.copy_(self.ts.body(step, static_in, phase, size, self.poison))
         except Exception as err:   # noqa: BLE001 - any failure is reported the same way
-            first: BaseException = err
-            while first.__context__ is not None:   # the capture's own error, under what __exit__ raised after it
-                first = first.__context__
+            first: BaseException = err   # the capture's own error, under what __exit__ raised after it (step 6)
+            if err.__context__ is not None and not err.__suppress_context__:
+                first = err.__context__
             what = (str(first).strip().splitlines() or [""])[0][:300]
+            if any(_out_of_memory(e) for e in (first, err)):
+                current = max(len(y) for _, y in micros)
+                raise UserError(f"the device ran out of memory capturing the training step as a CUDA graph at step "
+                                f"{step} with forward batches of {current} images ({what}); set batch.micro_batch "
+                                f"below {current} (e.g. {max(current // 2, 1)}).") from err
             raise UserError(f"capturing the training step as a CUDA graph failed at step {step} "
                             f"({type(first).__name__}: {what}); set train.cuda_graph=off to train without it.") from err
         self.captures += 1
@@ -185,3 +209,9 @@ class GraphedStep:
         self.poison.fill_(float("nan") if poisoned else 1.0)
         captured.graph.replay()
         return captured.loss
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """torch's OutOfMemoryError (the caching allocator), or a RuntimeError whose message says so (CUDA's own
+    "out of memory" error, raised by a call that does not go through the allocator)."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))

@@ -1,7 +1,11 @@
 """One optimizer step of synchronous data-parallel SGD (Goyal et al.), the part of the training loop that
 touches tensors.
 
-1. Set the step's lr on every parameter group; clear the gradients.
+1. Set the step's lr on every parameter group; clear the gradients: set to None, so the first micro-batch's
+   backward writes them with no zeroing kernel, except where they are DDP's bucket views
+   (`gradient_as_bucket_view`, largebatch/dist.py wrap_ddp) or a CUDA graph's static tensors: those are zeroed
+   in place (`zero_grads`, one multi-tensor kernel). A bucket view set to None is gone: the next backward
+   allocates a fresh gradient and DDP's reducer copies it into the bucket, every step.
 2. Run the step's micro-batches: each one's loss summed over its images and divided by the per-worker batch,
    so that DDP's average over workers normalises the gradient by the global batch; DDP's `no_sync()` on all
    but the last (gradient accumulation), autocast in the run's precision, the loss scaled under fp16.
@@ -58,6 +62,8 @@ class TrainStep:
         self.noise_rec: dict = {}  # the last measurement of the noise scale, for the next log record
         self.graph: GraphedStep | None = None   # the CUDA graph of steps 2-5 (largebatch/graph.py), set by the trainer
         self.forward_cap: int | None = None   # split micro-batches further after an out-of-memory retry (memory.py 6)
+        # step 1: the gradients are DDP's bucket views, kept by zeroing them in place
+        self.bucket_views = bool(getattr(ddp, "gradient_as_bucket_view", False))
 
     def to_device(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None):
         x = to_model_layout(x, self.device, self.channels_last)
@@ -74,7 +80,10 @@ class TrainStep:
         set_lr(self.optimizer, lr, static=self.graph is not None)                        # 1
         if self.graph is not None and not measure:
             return self.graph(step, micros, phase, size)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.bucket_views:
+            zero_grads(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         return self.body(step, micros, phase, size, self.faults.poison(step), measure)
 
     def body(self, step: int, micros: list[tuple[torch.Tensor, torch.Tensor]], phase, size: int | None,
@@ -156,6 +165,20 @@ class TrainStep:
             raise Diverged(f"training diverged: {self.max_nonfinite + 1} consecutive steps with non-finite loss or "
                             f"gradients at step {diverged_at}; lower optim.lr, lengthen schedule.warmup_epochs "
                             "or use optim.name=lars.")
+
+
+def zero_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Every gradient of `optimizer` zeroed in place, in one multi-tensor call (`torch._foreach_zero_`), where
+    `optimizer.zero_grad(set_to_none=False)` launches a kernel per gradient unless the optimizer was built with
+    foreach or fused (LARS and LAMB are not): the tensors stay where a CUDA graph or DDP's buckets have them."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for g in grads:
+        if g.grad_fn is not None:   # as zero_grad does: a gradient that is itself part of a graph
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+    if grads:
+        torch._foreach_zero_(grads)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, static: bool = False) -> None:

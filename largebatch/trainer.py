@@ -279,7 +279,9 @@ class Trainer:
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """The trainer's part of the ordered teardown: stop and join every thread of ours
-        (`reliability.stop_threads`), stop the data loaders, release the run directory. Idempotent; True
+        (`reliability.stop_threads`), stop the data loaders, release the run directory, then synchronise and
+        reset the step's CUDA graphs (largebatch/graph.py step 7: now, not when the garbage collector gets to
+        them, where freeing one could free a workspace another trainer's live graph uses). Idempotent; True
         when every thread ended."""
         joined = reliability.stop_threads(self.watchdog, self.comm_state, timeout_s)
         for source in (self.train_data, self.test_data):
@@ -288,6 +290,9 @@ class Trainer:
         if self.claim is not None:   # the run directory is free for the next writer (e.g. --resume)
             self.claim.release()
             self.claim = None
+        train_step = getattr(self, "train_step", None)   # absent when building failed before it
+        if train_step is not None and train_step.graph is not None:
+            train_step.graph.close()
         return joined
 
     def _fit(self) -> dict:

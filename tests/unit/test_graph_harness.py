@@ -7,17 +7,27 @@ in or lose shows up here.
 - Warm-up and capture share one stream; capture is thread_local; graphs of a phase share a pool, which is left
   once they are reset at a phase change; a short batch seen before is replayed, not captured again.
 - After warm-up no parameter, gradient, optimizer state, lr, loss-scale, EMA or counter tensor moves or appears.
-- A capture that fails is one sentence naming the first error and train.cuda_graph=off.
+- A capture that fails is one sentence naming the first error (one hop under what the capture's exit raised,
+  none where the context is suppressed) and train.cuda_graph=off; out of memory names batch.micro_batch.
+- Gradients are zeroed in one multi-tensor call.
+- Each trainer's graphs are synchronised and reset at its close, and freed then with the collector off: several
+  trainers in one process leave no graph for the garbage collector (no GraphedStep <-> TrainStep cycle).
 """
 from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 from fake_cuda import FakeCuda
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from largebatch import config, graph
 from largebatch.errors import UserError
-from largebatch.step import set_lr
+from largebatch.optim.sgd import SGD
+from largebatch.step import local_step, set_lr
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
@@ -183,6 +193,167 @@ def test_a_failed_capture_is_one_sentence_naming_the_first_error_and_cuda_graph_
     assert "failed at step 3 (RuntimeError: CUDA error: operation not permitted when stream is capturing" in text
     assert graphed.captures == 0
     trainer.close()
+
+
+class _ExitRaises(FakeCuda):
+    """A capture whose exit raises after the body's error, as torch.cuda.graph's does (the capture is invalidated)."""
+
+    @contextlib.contextmanager
+    def graph(self, *args, **kwargs):
+        with super().graph(*args, **kwargs):
+            try:
+                yield
+            except Exception:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+def _fail_at_capture(tmp_path, cuda: FakeCuda, fail) -> str:
+    """The UserError's text when `fail()` raises inside the capturing step's body (after its forward/backward)."""
+    trainer = _trainer(tmp_path, "lars", "batch.phases=null", "batch.global_batch=16")
+    graphed = graph.GraphedStep(trainer.train_step, cuda=cuda)
+    body = trainer.train_step.body
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        loss = body(*args, **kwargs)
+        if calls["n"] > graph.WARMUP:
+            fail()
+        return loss
+    trainer.train_step.body = failing
+    trainer.train_step.graph = graphed
+    try:
+        with pytest.raises(UserError) as err:
+            for step, (phase, micros, _) in enumerate(trainer.batches.steps(0, 5)):
+                trainer.train_step(step, micros, phase, trainer.plan.lr(step))
+        assert graphed.captures == 0
+    finally:
+        trainer.close()
+    text = str(err.value)
+    assert text.replace("e.g. ", "").count(". ") == 0 and text.endswith(".")   # one sentence
+    return text
+
+
+def _raised_while_handling() -> None:
+    try:
+        raise KeyError("what the body handled on its way")
+    except KeyError:
+        raise ValueError("the capture's own error")
+
+
+def _raised_from_none() -> None:
+    try:
+        raise KeyError("what the body handled on its way")
+    except KeyError:
+        raise ValueError("the capture's own error") from None
+
+
+@pytest.mark.parametrize("cuda, fail", [(_ExitRaises, _raised_while_handling), (FakeCuda, _raised_from_none)],
+                         ids=["one-hop-under-the-exit", "suppressed-context"])
+def test_a_failed_capture_names_the_captures_own_error_not_the_deepest_context(tmp_path, cuda, fail):
+    """One hop of __context__ (the body's error under the exit's), honouring __suppress_context__: the error the
+    body handled on its way (KeyError) is not the failure."""
+    text = _fail_at_capture(tmp_path, cuda(), fail)
+    assert "failed at step 3 (ValueError: the capture's own error); set train.cuda_graph=off" in text
+    assert "KeyError" not in text
+
+
+def _oom() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory, tried to allocate 2.00 GiB")
+
+
+def _oom_runtime() -> None:
+    raise RuntimeError("CUDA error: out of memory")
+
+
+@pytest.mark.parametrize("cuda", [FakeCuda, _ExitRaises], ids=["bare", "under-the-exit"])
+@pytest.mark.parametrize("fail", [_oom, _oom_runtime], ids=["OutOfMemoryError", "RuntimeError"])
+def test_out_of_memory_at_capture_names_a_smaller_micro_batch_not_the_graph(tmp_path, cuda, fail):
+    text = _fail_at_capture(tmp_path, cuda(), fail)
+    assert text.startswith("the device ran out of memory capturing the training step as a CUDA graph at step 3 "
+                           "with forward batches of 16 images (")
+    assert "out of memory" in text.split("(", 1)[1]   # the error's own words
+    assert text.endswith("set batch.micro_batch below 16 (e.g. 8).") and "cuda_graph" not in text
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optim", ["sgd", "lars", "lamb"])
+def test_gradients_are_zeroed_in_one_multi_tensor_call(tmp_path, optim):
+    trainer = _trainer(tmp_path, optim, "batch.phases=null", "batch.global_batch=16")
+    graphed = graph.GraphedStep(trainer.train_step, cuda=FakeCuda())
+    _run(trainer, graphed, 2, [])   # warm-up steps: the gradients exist
+    grads = [p.grad for p in trainer.model.parameters()]
+    assert len(grads) > 2 and all(g is not None and g.abs().sum() > 0 for g in grads)
+    with _Ops() as seen:
+        graphed._zero_grads()
+    assert seen.ops == [torch.ops.aten._foreach_zero_.default]
+    assert all(p.grad is g and not g.any() for p, g in zip(trainer.model.parameters(), grads))
+    trainer.close()
+
+
+def test_each_trainers_graphs_are_released_at_its_close_not_by_the_garbage_collector(tmp_path):
+    """Three graphed trainers in one process, closed one by one with the cyclic collector off: at each close its
+    graphs are reset after a synchronize and freed, the others' untouched; a second close does nothing more."""
+    gc.collect()
+    gc.disable()
+    try:
+        trainers, cudas, graph_refs = [], [], []
+        for i in range(3):
+            trainer = _trainer(tmp_path / str(i), "lars", "batch.phases=null", "batch.global_batch=16")
+            cuda = FakeCuda()
+            graphed = graph.GraphedStep(trainer.train_step, cuda=cuda)
+            _run(trainer, graphed, graph.WARMUP + 2, [])
+            assert graphed.captures == 1
+            trainers.append(trainer)
+            cudas.append(cuda)
+            graph_refs.append([weakref.ref(c.graph) for c in graphed.graphs.values()])
+        del graphed
+        for k, trainer in enumerate(trainers):
+            pool = cudas[k].pools_given[0]
+            trainer.close()
+            assert cudas[k].calls[-2:] == [("synchronize",), ("reset", pool)]
+            assert all(ref() is None for ref in graph_refs[k])   # freed at close, not left for the collector
+            for j in range(k + 1, 3):
+                assert not any(c[0] == "reset" for c in cudas[j].calls)
+                assert all(ref() is not None for ref in graph_refs[j])
+            n = len(cudas[k].calls)
+            trainer.close()
+            assert len(cudas[k].calls) == n
+    finally:
+        gc.enable()
+
+
+def test_a_graphed_step_is_no_reference_cycle_with_its_train_step():
+    """Dropped without a close, a step's GraphedStep and its graphs go with it by reference counting (the collector
+    off): the GraphedStep holds its TrainStep weakly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gc.collect()
+    gc.disable()
+    try:
+        step = local_step(model, opt, device=torch.device("cpu"))
+        graphed = graph.GraphedStep(step.train_step, cuda=FakeCuda())
+        step.train_step.graph = graphed
+        micros = [(torch.randn(8, 12), torch.randint(0, 3, (8,)))]
+        for _ in range(graph.WARMUP + 2):
+            step(micros, 0.1)
+        assert graphed.captures == 1
+        refs = [weakref.ref(step.train_step), weakref.ref(graphed)]
+        refs += [weakref.ref(c.graph) for c in graphed.graphs.values()]
+        del step, graphed
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
 
 
 def test_auto_stays_eager_until_a_gpu_check_verifies_the_graph(monkeypatch):

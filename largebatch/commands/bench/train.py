@@ -296,7 +296,13 @@ def main(argv: list[str]) -> int:
                                                                            parse_config(peer_config(name)))
         for peer, why in skipped.items():
             log(f"  peer {peer} skipped: {why}")
-        results = measure(entries, args.batch, args.steps, args.rounds, log, device, warmup)
+        try:
+            results = measure(entries, args.batch, args.steps, args.rounds, log, device, warmup)
+        finally:   # each trainer's CUDA graphs reset here, not by the garbage collector (largebatch/graph.py 7)
+            for entry in entries.values():
+                parts = getattr(entry, "parts", None)
+                if parts is not None:
+                    parts.trainer.close()
     # 5. Report.
     plain = results.pop("plain")["images_per_s"]
     peer_results = {n: results.pop(n) for n in list(results) if ":" in n}
