@@ -193,6 +193,7 @@ class GraphedStep:
             what = (str(first).strip().splitlines() or [""])[0][:300]
             if any(_out_of_memory(e) for e in (first, err)):
                 current = max(len(y) for _, y in micros)
+                what = what.split(". ")[0]   # torch's "CUDA out of memory. Tried to allocate ...": its first clause
                 raise UserError(f"the device ran out of memory capturing the training step as a CUDA graph at step "
                                 f"{step} with forward batches of {current} images ({what}); set batch.micro_batch "
                                 f"below {current} (e.g. {max(current // 2, 1)}).") from err
