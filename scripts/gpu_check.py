@@ -2,8 +2,9 @@
 
     python scripts/gpu_check.py --mode gpu|cpu --out DIR
 
-The steps, most important evidence first (GPU_CHECK_ONLY=b,a runs b then a; the machine step runs first
-unless GPU_CHECK_ONLY places it):
+The steps, in the default order: the most important evidence first, so that the deadline cuts the least telling
+step (the end-to-end train step before data, launch and more_tests). GPU_CHECK_ONLY=b,a runs b then a; the
+machine step runs first unless GPU_CHECK_ONLY places it:
 
 machine      the environment: GPU, driver, CUDA, torch, torchvision, timm; whether libnvjpeg.so.13 loads
              (ctypes) and which one; nvImageCodec's version and which of its back-ends decode a JPEG;
@@ -15,14 +16,19 @@ throughput   `largebatch bench train` of ResNet-50 at 224 px with LARS and label
              7,951 img/s per H200 as the reference line, and NVIDIA's 2,470 img/s on an A100 scaled by the
              measured bf16 peak over the A100's 312 TFLOP/s.
 cuda_tests   `pytest -m cuda tests/integration/test_cuda.py -k 'graph or prefetch or decode or gpu_cache or lars'`.
-more_tests   the other CUDA tests and `-m library` tests/integration/test_any_model.py (timm:/torchvision: models).
-data         `largebatch bench data` at 224 px, 6 loader workers, decoding on the CPU and on the GPU
-             (GPU_CHECK_DECODE, e.g. cpu,gpu:nvimgcodec,gpu:torchvision), on a generated ImageFolder of
-             500x375 JPEGs; does the loader keep up with the model's images/s from throughput?
 train        60 steps of `largebatch train` (ResNet-50, LARS, fp16, data.decode=gpu, train.cuda_graph=on,
-             6 loader workers) on that JPEG tree: images/s and data wait per step, against the step alone.
-launch       5 steps of `largebatch train --nproc-per-node 1 --max-restarts 1` (synthetic data): a worker the
-             elastic agent forks from the launch's forkserver, on CUDA.
+             6 loader workers) on a generated ImageFolder of 500x375 JPEGs (written first): images/s and data
+             wait per step, against the step alone.
+data         `largebatch bench data` at 224 px, 6 loader workers, decoding on the CPU and on the GPU
+             (GPU_CHECK_DECODE, e.g. cpu,gpu:nvimgcodec,gpu:torchvision), on that JPEG tree; does the loader
+             keep up with the model's images/s from throughput?
+launch       5 steps of one worker started as users start them on a node: `python -m largebatch.launch` (torchrun,
+             with largebatch's exit codes and warm workers) `--nproc-per-node 1 --max-restarts 1 ... -m largebatch
+             train` (synthetic data) with OMP_NUM_THREADS=1, what torchrun gives each worker of a node of several
+             GPUs; the worker is forked from the launch's forkserver, on CUDA. The environment is in the record.
+more_tests   the other CUDA tests of tests/integration/test_cuda.py. The `library` model tests (timm:/torchvision:
+             models, tests/integration/test_any_model.py) are not here: they need no GPU, and `make test-eco`
+             runs them.
 calibrate    only when asked (GPU_CHECK_CALIBRATE=1, or named in GPU_CHECK_ONLY): `largebatch plan --calibrate`.
 
 Time: every step and every command in it is bounded by one deadline, GPU_CHECK_DEADLINE_S (default 450)
@@ -64,7 +70,7 @@ MIN_START_S = 10.0    # a step that would start with less time left is not start
 KILL_GRACE_S = 3.0    # SIGTERM, then SIGKILL to the process group after this
 TESTS_K = "graph or prefetch or decode or gpu_cache or lars"
 
-STEPS = ("machine", "throughput", "cuda_tests", "more_tests", "data", "train", "launch", "calibrate")
+STEPS = ("machine", "throughput", "cuda_tests", "train", "data", "launch", "more_tests", "calibrate")
 DEFAULT_STEPS = STEPS[:-1]   # calibrate only when asked
 # each step's log in DIR (two steps share one): with gpu_check.json and gpu_check.log, at most 8 files
 LOGS = {"machine": "env.txt", "throughput": "throughput.log", "cuda_tests": "cuda_tests.log",
@@ -133,20 +139,22 @@ class Check:
     def say(self, text: str) -> None:
         print(text, flush=True)   # gpu_check.sh tees this into DIR/gpu_check.log
 
-    def run(self, cmd: list[str]) -> tuple[int, list[str]]:
+    def run(self, cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, list[str]]:
         """Run a command from the repository root in its own process group, its output streamed line by line
-        into the current step's log; killed (the group) at the deadline. Returns (exit status, its lines)."""
+        into the current step's log; killed (the group) at the deadline. `env`: variables set for it (written
+        into the log before the command). Returns (exit status, its lines)."""
         timeout = self.left() - 1.0
         if timeout < 1:
             raise StepTimeout("no time left before the deadline")
         lines: collections.deque[str] = collections.deque(maxlen=20000)
         with open(self.out / LOGS[self.current], "a", buffering=1) as log:
-            log.write(f"$ {shlex.join(cmd)}\n")
+            log.write(f"$ {' '.join(f'{k}={shlex.quote(v)}' for k, v in (env or {}).items())}"
+                      f"{' ' if env else ''}{shlex.join(cmd)}\n")
             log.flush()
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     errors="replace", bufsize=1, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
             def pump() -> None:
                 for line in proc.stdout:
@@ -409,21 +417,26 @@ def main() -> int:
             bench[bench.index("--batch") + 1] = str(batch)
             rc, _ = check.run([py, "-m", "largebatch", "bench", "train", *bench, "--peers", sizes["peers"],
                                "--device", device, "--json", str(out)])
-            if rc != 0:
+            if not out.exists():   # an entry that failed leaves the others' figures in the JSON (exit 1)
                 raise RuntimeError(f"bench train --batch {batch} exited {rc}")
             r = json.loads(out.read_text())
             rec["bench_json"][str(batch)] = r
             b = {k: r.get(k) for k in ("machine", "optimizer", "best_config", "images_per_s", "plain_images_per_s",
                                        "mfu_bf16_peak", "peak_matmul_gflops_bf16", "peak_matmul_gflops_fp32",
                                        "vs_best_peer", "peers_skipped", "reference", "vs_reference")}
-            b["configs"] = {n: c["images_per_s"] for n, c in r["configs"].items()}
-            b["peers"] = {n: c["images_per_s"] for n, c in r.get("peers", {}).items()}
-            if args.mode == "gpu" and r.get("peak_matmul_gflops_bf16"):   # NVIDIA's A100 figure, scaled
+            b["configs"] = {n: c.get("images_per_s") for n, c in r["configs"].items()}
+            b["peers"] = {n: c.get("images_per_s") for n, c in r.get("peers", {}).items()}
+            b["errors"] = r.get("errors", {})   # one line per entry that failed
+            if args.mode == "gpu" and r.get("peak_matmul_gflops_bf16") and r.get("images_per_s"):   # NVIDIA's A100 figure, scaled
                 scale = r["peak_matmul_gflops_bf16"] / 1e3 / A100_BF16_PEAK_TFLOPS
                 b["nvidia_a100_scaled_images_per_s"] = round(A100_IMAGES_PER_S * scale, 1)
                 b["vs_nvidia_scaled"] = round(r["images_per_s"] / (A100_IMAGES_PER_S * scale), 3)
             rec["by_batch"][str(batch)] = b
-            rec["images_per_s"] = max(x["images_per_s"] for x in rec["by_batch"].values())
+            rec["images_per_s"] = max((x["images_per_s"] for x in rec["by_batch"].values() if x["images_per_s"]),
+                                      default=None)
+            if rc != 0:
+                raise RuntimeError(f"bench train --batch {batch} exited {rc}: "
+                                   + ("; ".join(f"{n}: {e}" for n, e in b["errors"].items()) or "see throughput.log"))
 
     def pytest_step(rec: dict, files: list[str], marker: str, keyword: str) -> None:
         try:
@@ -440,8 +453,8 @@ def main() -> int:
         pytest_step(rec, ["tests/integration/test_cuda.py"], "cuda", TESTS_K)
 
     def more_tests(rec: dict) -> None:
-        pytest_step(rec, ["tests/integration/test_cuda.py", "tests/integration/test_any_model.py"], "cuda or library",
-                    f"test_any_model or not ({TESTS_K})")
+        # not the `library` model tests (tests/integration/test_any_model.py): CPU tests, run by `make test-eco`
+        pytest_step(rec, ["tests/integration/test_cuda.py"], "cuda", f"not ({TESTS_K})")
 
     def data(rec: dict) -> None:
         rec["loader"], rec["bench_json"] = {}, {}
@@ -505,15 +518,24 @@ def main() -> int:
             import shutil
 
             shutil.rmtree(run)
-        # one worker with a restart allowed: started by the elastic agent, forked from the launch's forkserver
-        # (itself a fork of the launcher where that holds no CUDA driver), not run in the launching process
-        rc, _ = check.run([py, "-m", "largebatch", "train", "--nproc-per-node", "1", "--max-restarts", "1",
-                           *sizes["launch"], "--set", "train.eval_every=0", "--set", "train.plots=false", "--quiet",
-                           "--run-dir", str(run)])
+        # As users start workers on a node (docs/multinode.md): torchrun's arguments through largebatch.launch
+        # (torchrun's agent in process, with largebatch's exit codes), one worker with a restart allowed, forked
+        # from the launch's forkserver (itself a fork of the launcher where that holds one thread and no CUDA
+        # driver), not run in the launching process. OMP_NUM_THREADS=1 is what torchrun gives each worker of a
+        # node of several GPUs (it sets it where unset and nproc > 1); with one GPU here it would set nothing, and
+        # the worker would take every core of the machine, as no user's node runs it.
+        env = {"OMP_NUM_THREADS": "1"}
+        cmd = [py, "-m", "largebatch.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", f"gpu-check-{os.getpid()}", "--local-addr",
+               "127.0.0.1", "--max-restarts", "1", "-m", "largebatch", "train", *sizes["launch"], "--set",
+               "train.eval_every=0", "--set", "train.plots=false", "--quiet", "--run-dir", str(run)]
+        rec.update(command=shlex.join(["python", *cmd[1:]]), env=env, cpu_count=os.cpu_count())
+        rc, _ = check.run(cmd, env=env)
         if rc != 0:
-            raise RuntimeError(f"largebatch train --nproc-per-node 1 --max-restarts 1 exited {rc}")
+            raise RuntimeError(f"python -m largebatch.launch --nproc-per-node 1 --max-restarts 1 exited {rc}")
         summary = json.loads((run / "summary.json").read_text())
-        rec.update(steps=summary["steps"], world_size=summary.get("world_size"), machine=summary.get("machine"))
+        rec.update(steps=summary["steps"], world_size=summary.get("world_size"), machine=summary.get("machine"),
+                   threads_per_worker=summary.get("threads_per_worker"))
 
     def calibrate(rec: dict) -> None:
         out = scratch / "this_machine.yaml"

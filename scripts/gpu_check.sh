@@ -7,7 +7,7 @@
 # Installs the carried wheels and this package with pip --no-index --no-deps against the machine's own torch
 # (never a torch download) into a private folder, puts the nvJPEG wheel's library folder on LD_LIBRARY_PATH,
 # then runs scripts/gpu_check.py: machine (versions, libnvjpeg, nvImageCodec's back-ends), throughput,
-# cuda_tests, more_tests, data, train (calibrate when asked), all within one deadline:
+# cuda_tests, train, data, launch, more_tests (calibrate when asked), all within one deadline:
 # GPU_CHECK_DEADLINE_S (default 450) from this script's start. Results, at most 8 files: $OUT/gpu_check.json,
 # $OUT/gpu_check.log (this output) and one log per step (OUT defaults to ./gpu-check-out). Exits non-zero
 # when a step failed or was killed at the deadline.

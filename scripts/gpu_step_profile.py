@@ -58,7 +58,8 @@ def main() -> None:
         results = measure(entries, a.batch, a.steps, a.rounds, print, device)
         out = {"config": a.config, "batch": a.batch, "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "images_per_s": {n: round(r["images_per_s"], 1) for n, r in results.items()},
+               "images_per_s": {n: round(r["images_per_s"], 1) if "images_per_s" in r else r["error"]
+                                for n, r in results.items()},
                "micro_batch": [list(t.shape) for t in fixed], "micro_dtype": [str(t.dtype) for t in fixed],
                "micro_pinned": [t.is_pinned() for t in fixed], "accumulation": parts.phase.accumulation}
         print(json.dumps(out, indent=1), flush=True)
@@ -66,6 +67,8 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         for name in ("trainer_step", "largebatch_plain"):
+            if name not in entries:   # it failed in measure(): its error is in step_profile.json
+                continue
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     entries[name]()

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from largebatch.commands.bench.train import parse_reference, peer_config, fitting_size, matmul_peak_gflops, parse_config
+from largebatch.commands.bench.train import (fitting_size, matmul_peak_gflops, measure, parse_config, parse_reference,
+                                            peer_config)
 from largebatch.errors import UserError
 
 
@@ -87,3 +88,64 @@ def test_the_largebatch_entry_cycles_staged_batches_in_the_models_layout_and_nev
     for _ in range(3):
         step()
     assert all(torch.equal(x, x0) and torch.equal(y, y0) for (x, y), (x0, y0) in zip(staged, before))
+
+
+@pytest.mark.timeout(300)
+def test_one_failing_entry_leaves_the_others_their_figures(tmp_path, monkeypatch, capsys, one_thread):
+    # A -graph capture that fails at warm-up, an entry that fails in its second round and one that cannot be
+    # built stood for every entry of the run: each now has its error in one line, the others their figures, and
+    # the command exits 1 after writing the table and the JSON.
+    from largebatch.commands.bench import train as bench_train
+
+    real = bench_train.largebatch_step_fn
+    calls = {"late": 0}
+
+    def step_fn(args, spec, run_dir, device=torch.device("cpu")):
+        if spec["precision"] == "bf16" and not spec["channels_last"]:
+            raise RuntimeError("no trainer for you\nsecond line")
+        step = real(args, spec, run_dir, device)
+        if spec == parse_config("fp32-cl"):   # as a failed capture: at its first step, the warm-up
+            def capture_fails():
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines")
+            return capture_fails
+        if spec == parse_config("bf16-cl"):   # its warm-up step and first round pass; its second round fails
+            def late():
+                calls["late"] += 1
+                if calls["late"] > 2:
+                    raise ValueError("a late failure")
+                step()
+            return late
+        return step
+
+    monkeypatch.setattr(bench_train, "largebatch_step_fn", step_fn)
+    out = tmp_path / "train.json"
+    rc = bench_train.main(["--model", "speedrun", "--width", "4", "--image-size", "16", "--classes", "10", "--batch",
+                           "8", "--steps", "1", "--rounds", "2", "--threads", "1", "--peak-size", "64", "--configs",
+                           "fp32,fp32-cl,bf16-cl,bf16", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    data = json.loads(out.read_text())
+    assert list(data["configs"]) == ["fp32", "fp32-cl", "bf16-cl", "bf16"]
+    assert data["errors"] == {
+        "fp32-cl": "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+        "bf16-cl": "ValueError: a late failure", "bf16": "RuntimeError: no trainer for you"}
+    for name, error in data["errors"].items():
+        assert data["configs"][name] == {"error": error}
+        assert f"failed {name}: {error}" in captured.out
+    fp32 = data["configs"]["fp32"]
+    assert fp32["images_per_s"] > 0 and len(fp32["rounds"]) == 2 and fp32["speedup"] > 0
+    assert data["best_config"] == "fp32" and data["images_per_s"] == fp32["images_per_s"]
+    assert data["plain_images_per_s"] > 0 and data["mfu"] > 0
+    assert "fp32-cl failed" in captured.out and "3 of 5 entries failed (fp32-cl, bf16-cl, bf16)" in captured.err
+
+
+def test_measure_keeps_the_figures_of_entries_beside_one_that_raises():
+    def broken():
+        raise RuntimeError("boom")
+
+    entries = {"a": lambda: None, "b": broken, "c": lambda: None}
+    lines = []
+    results = measure(entries, batch=4, steps=2, rounds=2, log=lines.append)
+    assert list(results) == ["a", "b", "c"] and results["b"] == {"error": "RuntimeError: boom"}
+    assert all(results[n]["images_per_s"] > 0 and len(results[n]["rounds"]) == 2 for n in "ac")
+    assert "b" not in entries and "  b failed: RuntimeError: boom" in lines

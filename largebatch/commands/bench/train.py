@@ -34,12 +34,23 @@ Everything below runs in one process, in the same run, with the same threads (co
    ratio to --reference NAME=IMAGES_PER_S (e.g. MLPerf's per-GPU rate) where given, and
    MFU = images/s x 3 x forward FLOPs per image (`count_flops`; backward = 2 x forward) / peak, against
    the fp32 peak, the bf16 peak and the machine's peak. --json writes all of it.
+
+Each entry stands alone: one that raises while it is built, warmed up or timed (a ``-graph`` configuration
+whose capture fails, an out-of-memory error, any error) is left out of the later rounds and reported with its
+error in one line (``{"error": ...}`` in --json's ``configs`` or ``peers`` and in ``errors``, and a line of
+the table), while the other entries keep their figures: on a GPU machine lent for minutes, one configuration
+must not cost the figures of the others. The command then exits 1, after the table and --json are written,
+so that a script or a check that reads only the exit status cannot take a run with an entry missing for a
+whole one. A configuration that cannot run here at all (fp16 or a graph without CUDA) is a command-line
+error before anything is measured (exit 2), as before.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -188,28 +199,61 @@ def largebatch_step_fn(args, spec: dict, run_dir: Path, device: torch.device = t
     return step
 
 
+def one_line(err: BaseException) -> str:
+    """An entry's error as one line: its type and the first line of its message, at most 300 characters."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _release(device: torch.device) -> None:
+    """After a failed entry: return its cached CUDA memory, so that an out-of-memory entry leaves the next one
+    room (after an error that broke the CUDA context this fails as well, and the next entry reports it)."""
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
 def measure(entries: dict[str, Callable[[], None]], batch: int, steps: int, rounds: int,
             log: Callable[[str], None], device: torch.device = torch.device("cpu"),
             warmup: dict[str, int] | None = None) -> dict[str, dict]:
     """Step 4: warm-up (`warmup` steps by entry, default 1), then interleaved rounds; images/s per entry
-    (median round, and every round)."""
-    for name, step in entries.items():
+    (median round, and every round). An entry that raises is taken out of `entries` (its model and memory
+    freed), left out of the later rounds, and reported as {"error": one line}; the others keep their figures."""
+    names = list(entries)
+    failed: dict[str, str] = {}
+
+    def fail(name: str, err: Exception) -> None:
+        failed[name] = one_line(err)
+        entries.pop(name)
+        log(f"  {name} failed: {failed[name]}")
+        _release(device)
+
+    for name, step in list(entries.items()):
         t0 = time.perf_counter()
-        for _ in range((warmup or {}).get(name, 1)):
-            step()
-        _sync(device)
+        try:
+            for _ in range((warmup or {}).get(name, 1)):
+                step()
+            _sync(device)
+        except Exception as err:   # noqa: BLE001 - reported as this entry's error; the others run
+            fail(name, err)
+            continue
         log(f"  warm-up {name}: {time.perf_counter() - t0:.1f} s")
     rates: dict[str, list[float]] = {name: [] for name in entries}
     for r in range(rounds):
-        for name, step in entries.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync(device)
+        for name, step in list(entries.items()):
+            try:
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                _sync(device)
+            except Exception as err:   # noqa: BLE001
+                fail(name, err)
+                continue
             rates[name].append(batch * steps / (time.perf_counter() - t0))
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()) + " img/s")
-    return {name: {"images_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in entries) + " img/s")
+    return {name: {"error": failed[name]} if name in failed else
+            {"images_per_s": statistics.median(rates[name]), "rounds": rates[name]} for name in names}
 
 
 def main(argv: list[str]) -> int:
@@ -277,78 +321,116 @@ def main(argv: list[str]) -> int:
                                                   width=args.width), (1, 3, args.image_size, args.image_size))
     # 2.-4. Entries, measured interleaved.
     with tempfile.TemporaryDirectory(prefix="largebatch-bench-train-") as tmp:
-        entries = {"plain": plain_step_fn(args, args.classes, device)}
+        entries: dict[str, Callable[[], None]] = {}
+        built: dict[str, dict] = {}   # in the report's order; {"error": ...} for an entry that failed to build
         skipped: dict[str, str] = {}
         from largebatch.graph import WARMUP
 
+        def build(name: str, make: Callable[[], Callable[[], None]]) -> None:
+            try:
+                entries[name] = make()
+                built[name] = {}
+            except Exception as err:   # noqa: BLE001 - this entry's error; the others are built and timed
+                built[name] = {"error": one_line(err)}
+                log(f"  {name} failed: {built[name]['error']}")
+                _release(device)
+
+        build("plain", lambda: plain_step_fn(args, args.classes, device))
         warmup = {}
         for name, spec in specs.items():
-            entries[name] = largebatch_step_fn(args, spec, Path(tmp) / name, device)
+            build(name, lambda spec=spec, name=name: largebatch_step_fn(args, spec, Path(tmp) / name, device))
             warmup[name] = WARMUP + 2 if spec["graph"] else 1
             for peer in peers:
-                if f"{peer}:{peer_config(name)}" in entries:
+                if f"{peer}:{peer_config(name)}" in built or peer in skipped:
                     continue
                 model = peer_model(peer, args.model, args.classes)
                 if isinstance(model, str):
                     skipped[peer] = model
                 else:
-                    entries[f"{peer}:{peer_config(name)}"] = plain_step_fn(args, args.classes, device, model,
-                                                                           parse_config(peer_config(name)))
+                    build(f"{peer}:{peer_config(name)}", lambda model=model, name=name: plain_step_fn(
+                        args, args.classes, device, model, parse_config(peer_config(name))))
         for peer, why in skipped.items():
             log(f"  peer {peer} skipped: {why}")
         try:
-            results = measure(entries, args.batch, args.steps, args.rounds, log, device, warmup)
+            measured = measure(entries, args.batch, args.steps, args.rounds, log, device, warmup)
         finally:   # each trainer's CUDA graphs reset here, not by the garbage collector (largebatch/graph.py 7)
             for entry in entries.values():
                 parts = getattr(entry, "parts", None)
                 if parts is not None:
                     parts.trainer.close()
-    # 5. Report.
-    plain = results.pop("plain")["images_per_s"]
+        results = {n: measured.get(n, r) for n, r in built.items()}
+    # 5. Report (an entry that failed has its error and no figures).
+    errors = {n: r["error"] for n, r in results.items() if "error" in r}
+    plain = results.pop("plain").get("images_per_s")
     peer_results = {n: results.pop(n) for n in list(results) if ":" in n}
     for r in peer_results.values():
+        if "error" not in r:
+            r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
+    ok = {n: r for n, r in results.items() if "error" not in r}
+    best = max(ok, key=lambda n: ok[n]["images_per_s"]) if ok else None
+    rate = ok[best]["images_per_s"] if best else None
+    for r in ok.values():
+        r["speedup"] = r["images_per_s"] / plain if plain else None
         r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
-    best = max(results, key=lambda n: results[n]["images_per_s"])
-    rate = results[best]["images_per_s"]
-    for r in results.values():
-        r["speedup"] = r["images_per_s"] / plain
-        r["mfu"] = r["images_per_s"] * flops_per_image / (peak * 1e9)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
     out = {
         "machine": machine(device), "device": str(device), "model": args.model, "width": args.width, "image_size": args.image_size,
         "batch": args.batch, "threads": threads, "optimizer": args.optimizer,
-        "best_config": best, "images_per_s": rate, "plain_images_per_s": plain, "speedup": rate / plain,
+        "best_config": best, "images_per_s": rate, "plain_images_per_s": plain, "speedup": ratio(rate, plain),
         "train_gflops_per_image": flops_per_image / 1e9,
         "peak_matmul_gflops": peak, "peak_matmul_gflops_fp32": peak_fp32, "peak_matmul_gflops_bf16": peak_bf16,
         "peak_matmul_size_fp32": sizes[torch.float32], "peak_matmul_size_bf16": sizes[torch.bfloat16],
-        "mfu": rate * flops_per_image / (peak * 1e9),
-        "mfu_fp32_peak": rate * flops_per_image / (peak_fp32 * 1e9),
-        "mfu_bf16_peak": rate * flops_per_image / (peak_bf16 * 1e9),
-        "plain_mfu": plain * flops_per_image / (peak * 1e9),
+        "mfu": ratio(rate, peak * 1e9 / flops_per_image),
+        "mfu_fp32_peak": ratio(rate, peak_fp32 * 1e9 / flops_per_image),
+        "mfu_bf16_peak": ratio(rate, peak_bf16 * 1e9 / flops_per_image),
+        "plain_mfu": ratio(plain, peak * 1e9 / flops_per_image),
         "configs": results,
         "peers": peer_results, "peers_skipped": skipped,
         # the best largebatch step over the faster peer with the same configuration's settings
         "vs_best_peer": {n: r["images_per_s"] / max(peer_results[f"{p}:{peer_config(n)}"]["images_per_s"]
-                                                   for p in peers if f"{p}:{peer_config(n)}" in peer_results)
-                         for n, r in results.items() if any(f"{p}:{peer_config(n)}" in peer_results for p in peers)},
+                                                   for p in peers if f"{p}:{peer_config(n)}" in peer_results
+                                                   and "error" not in peer_results[f"{p}:{peer_config(n)}"])
+                         for n, r in ok.items() if any(f"{p}:{peer_config(n)}" in peer_results and "error" not in
+                                                       peer_results[f"{p}:{peer_config(n)}"] for p in peers)},
         "label_smoothing": args.label_smoothing,
+        "errors": errors,   # entry -> its error in one line; the entries without one have their figures
     }
     if reference is not None:
         out["reference"] = {"name": reference[0], "images_per_s": reference[1]}
-        out["vs_reference"] = rate / reference[1]
+        out["vs_reference"] = ratio(rate, reference[1])
+
+    def figure(r: dict, speedup: bool = False) -> str:
+        if "error" in r:
+            return "failed"
+        return f"{r['images_per_s']:.1f} img/s" + (f" ({r['speedup']:.2f}x)" if speedup and r["speedup"] else "")
+
     print(f"{args.model} @ {args.image_size} px, batch {args.batch}, {threads} threads: plain PyTorch "
-          f"{plain:.1f} img/s; " + "; ".join(f"{n} {r['images_per_s']:.1f} img/s ({r['speedup']:.2f}x)"
-                                             for n, r in results.items()))
-    print(f"best {best}: {rate:.1f} img/s, {rate / plain:.2f}x plain; MFU {out['mfu']:.1%} of the machine's "
-          f"{peak:.0f} GFLOP/s matmul peak (fp32 peak {peak_fp32:.0f}: {out['mfu_fp32_peak']:.1%}, "
-          + (f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})" if peak_bf16 >= peak_fp32 else
-             f"bf16 peak {peak_bf16:.1f}: below fp32, so no bf16 units)"))
+          f"{'failed' if plain is None else f'{plain:.1f} img/s'}; "
+          + "; ".join(f"{n} {figure(r, True)}" for n, r in results.items()))
+    if rate is not None:
+        print(f"best {best}: {rate:.1f} img/s"
+              + (f", {rate / plain:.2f}x plain" if plain else "")
+              + f"; MFU {out['mfu']:.1%} of the machine's "
+              f"{peak:.0f} GFLOP/s matmul peak (fp32 peak {peak_fp32:.0f}: {out['mfu_fp32_peak']:.1%}, "
+              + (f"bf16 peak {peak_bf16:.0f}: {out['mfu_bf16_peak']:.1%})" if peak_bf16 >= peak_fp32 else
+                 f"bf16 peak {peak_bf16:.1f}: below fp32, so no bf16 units)"))
     if peer_results:
-        print("peers (plain loop, same settings): " + "; ".join(
-            f"{n} {r['images_per_s']:.1f} img/s" for n, r in peer_results.items()))
-        print("largebatch / faster peer: " + ", ".join(f"{n} {v:.2f}x" for n, v in out["vs_best_peer"].items()))
-    if reference is not None:
+        print("peers (plain loop, same settings): " + "; ".join(f"{n} {figure(r)}" for n, r in peer_results.items()))
+        if out["vs_best_peer"]:
+            print("largebatch / faster peer: " + ", ".join(f"{n} {v:.2f}x" for n, v in out["vs_best_peer"].items()))
+    if reference is not None and out["vs_reference"] is not None:
         print(f"best / {reference[0]} ({reference[1]:.0f} img/s): {out['vs_reference']:.2f}x")
+    for name, error in errors.items():
+        print(f"failed {name}: {error}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.json, (json.dumps(out, indent=2)).encode())   # whole or absent
+    if errors:
+        print(f"largebatch bench train: {len(errors)} of {1 + len(results) + len(peer_results)} entries failed "
+              f"({', '.join(errors)}); the others' figures are above" + (f" and in {args.json}" if args.json else "")
+              + ".", file=sys.stderr, flush=True)
+        return 1
     return 0
