@@ -47,6 +47,7 @@ error before anything is measured (exit 2), as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import statistics
@@ -338,7 +339,7 @@ def main(argv: list[str]) -> int:
         build("plain", lambda: plain_step_fn(args, args.classes, device))
         warmup = {}
         for name, spec in specs.items():
-            build(name, lambda spec=spec, name=name: largebatch_step_fn(args, spec, Path(tmp) / name, device))
+            build(name, functools.partial(largebatch_step_fn, args, spec, Path(tmp) / name, device))
             warmup[name] = WARMUP + 2 if spec["graph"] else 1
             for peer in peers:
                 if f"{peer}:{peer_config(name)}" in built or peer in skipped:
@@ -347,8 +348,8 @@ def main(argv: list[str]) -> int:
                 if isinstance(model, str):
                     skipped[peer] = model
                 else:
-                    build(f"{peer}:{peer_config(name)}", lambda model=model, name=name: plain_step_fn(
-                        args, args.classes, device, model, parse_config(peer_config(name))))
+                    build(f"{peer}:{peer_config(name)}", functools.partial(
+                        plain_step_fn, args, args.classes, device, model, parse_config(peer_config(name))))
         for peer, why in skipped.items():
             log(f"  peer {peer} skipped: {why}")
         try:
