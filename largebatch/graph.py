@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from largebatch.errors import UserError
-from largebatch.step import zero_grads
+from largebatch.optim import zero_grads
 
 WARMUP = 3   # eager steps of each new batch shape before its capture (torch's recipe for one process)
 

@@ -249,7 +249,7 @@ def fit_micro_batch(est: Estimate, per_worker: int, what: str = "the model", fix
     `what` (the model and its width) and `fix`."""
     largest = est.largest()
     if largest < 1:
-        other = f" and {est.other_bytes / GIB:.1f} GiB of {est.other_source}" if est.other_bytes else ""
+        other = f" and {est.other_source}" if est.other_bytes else ""
         raise UserError(f"{what} does not fit in memory: its state alone ({est.state_bytes / GIB:,.1f} GiB with a "
                         f"{est.margin_bytes / GIB:.1f} GiB margin{other}) is more than the {est.device_bytes / GIB:.1f} GiB "
                         f"of {est.device_source}; give {fix}, a device with more memory, or train.device_memory_gb "

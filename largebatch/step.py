@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from largebatch.errors import UserError
 from largebatch.placement import autocast, resize_batch, to_model_layout
-from largebatch.optim import update_ema
+from largebatch.optim import update_ema, zero_grads
 from largebatch.progress import Progress
 
 if TYPE_CHECKING:
@@ -165,20 +165,6 @@ class TrainStep:
             raise Diverged(f"training diverged: {self.max_nonfinite + 1} consecutive steps with non-finite loss or "
                             f"gradients at step {diverged_at}; lower optim.lr, lengthen schedule.warmup_epochs "
                             "or use optim.name=lars.")
-
-
-def zero_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Every gradient of `optimizer` zeroed in place, in one multi-tensor call (`torch._foreach_zero_`), where
-    `optimizer.zero_grad(set_to_none=False)` launches a kernel per gradient unless the optimizer was built with
-    foreach or fused (LARS and LAMB are not): the tensors stay where a CUDA graph or DDP's buckets have them."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    for g in grads:
-        if g.grad_fn is not None:   # as zero_grad does: a gradient that is itself part of a graph
-            g.detach_()
-        else:
-            g.requires_grad_(False)
-    if grads:
-        torch._foreach_zero_(grads)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, static: bool = False) -> None:

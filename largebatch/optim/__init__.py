@@ -6,6 +6,7 @@ beta, every bias, including the BN of shortcut branches) go in a group with no w
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -67,4 +68,19 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> Optimizer:
     raise UserError(f"unknown optimizer {cfg.name!r}; choose one of: {', '.join(OPTIMIZERS)} (optim.name).")
 
 
-__all__ = ["SGD", "LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer", "build_ema", "update_ema"]
+__all__ = ["SGD", "LARS", "LAMB", "OPTIMIZERS", "param_groups", "build_optimizer", "build_ema", "update_ema",
+           "zero_grads"]
+
+
+def zero_grads(optimizer: Optimizer) -> None:
+    """Every gradient of `optimizer` zeroed in place, in one multi-tensor call (`torch._foreach_zero_`), where
+    `optimizer.zero_grad(set_to_none=False)` launches a kernel per gradient unless the optimizer was built with
+    foreach or fused (LARS and LAMB are not): the tensors stay where a CUDA graph or DDP's buckets have them."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for g in grads:
+        if g.grad_fn is not None:   # as zero_grad does: a gradient that is itself part of a graph
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+    if grads:
+        torch._foreach_zero_(grads)

@@ -125,7 +125,7 @@ def test_plan_prints_memory_per_device_from_the_catalog_and_refuses_a_model_that
     assert plan.main(["imagenet_resnet50_lars_32k", "--device", "h100", "--devices", "256", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["accumulation"] == 1   # 128 per device fits in one pass
     with pytest.raises(UserError, match=r"model resnet50 at width 640 does not fit in memory: its state alone \(.* GiB "
-                                        r"with a .* GiB margin\) is more than the 14.9 GiB of NVIDIA Tesla V100"):
+                                        r"with a .* GiB margin and NCCL buffers 0.5 GiB\) is more than the 14.9 GiB of NVIDIA Tesla V100"):
         plan.main(["--device", "v100", "--width", "640", "--json"])
 
 
