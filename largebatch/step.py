@@ -4,7 +4,7 @@ touches tensors.
 1. Set the step's lr on every parameter group; clear the gradients: set to None, so the first micro-batch's
    backward writes them with no zeroing kernel, except where they are DDP's bucket views
    (`gradient_as_bucket_view`, largebatch/dist.py wrap_ddp) or a CUDA graph's static tensors: those are zeroed
-   in place (`zero_grads`, one multi-tensor kernel). A bucket view set to None is gone: the next backward
+   in place (`optim.zero_grads`, one multi-tensor kernel). A bucket view set to None is gone: the next backward
    allocates a fresh gradient and DDP's reducer copies it into the bucket, every step.
 2. Run the step's micro-batches: each one's loss summed over its images and divided by the per-worker batch,
    so that DDP's average over workers normalises the gradient by the global batch; DDP's `no_sync()` on all
