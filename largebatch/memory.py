@@ -277,10 +277,13 @@ def device_type_for(cfg) -> str:
 
 
 def resolve(cfg, info, *, world_size: int, local_workers: int, device_type: str,
-            device: torch.device | None = None) -> tuple[int | None, Estimate | None]:
+            device: torch.device | None = None, given: tuple[int, str] | None = None
+            ) -> tuple[int | None, Estimate | None]:
     """Step 5 for a run: (the micro-batch cap that `batch.micro_batch: auto` resolves to, or None where the
-    recipe decides the split itself, the estimate). The cap is for the largest per-worker batch of any phase."""
-    device_bytes, source = device_memory(device_type, device, local_workers, cfg.train.device_memory_gb)
+    recipe decides the split itself, the estimate). The cap is for the largest per-worker batch of any phase.
+    `given`: the device's memory in bytes and where that figure comes from (`largebatch plan`'s catalog), in place
+    of step 4."""
+    device_bytes, source = given or device_memory(device_type, device, local_workers, cfg.train.device_memory_gb)
     batches = [p.global_batch for p in cfg.batch.phases] or [cfg.batch.global_batch]
     per_worker = max(batches) // max(world_size, 1)
     try:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from largebatch import checkpoint, dist as dist_mod, ensemble, graph, memory, metrics as metrics_mod, reliability, rundir, evaluation
+from largebatch import checkpoint, dist as dist_mod, ensemble, graph, memory, metrics as metrics_mod, reliability, rundir, runplan, evaluation
 from largebatch.batches import BatchSource
 from largebatch.config import Config
 from largebatch.config import save as save_config
@@ -32,7 +32,7 @@ from largebatch.placement import prefetch, use_channels_last
 from largebatch.models.classifier import build_classifier
 from largebatch.noise_scale import NoiseScale
 from largebatch.progress import LogWindow, Progress
-from largebatch.schedule import Plan, resolution_at
+from largebatch.schedule import resolution_at
 from largebatch.step import Diverged, TrainStep
 
 if TYPE_CHECKING:
@@ -94,22 +94,17 @@ class Trainer:
         reliability.preflight(self.info, config_hash=cfg.hash(), train_size=len(self.train_data),
                               test_size=len(self.test_data))
 
-        # the micro-batch that fits the device (batch.micro_batch auto; largebatch/memory.py), before anything is
-        # written: a model whose state does not fit leaves no directory behind
-        micro_cap, self.memory = memory.resolve(cfg, self.data_info, world_size=self.info.world_size,
-                                                local_workers=self.info.local_world_size,
-                                                device_type=self.device.type, device=self.device)
-
-        # 3. the step plan: phases, accumulation, lr per step; the batch source that follows it (before the run
-        # directory: a batch that does not split is one sentence and leaves nothing behind)
-        self.plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=self.info.world_size,
-                         train_size=len(self.train_data), ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
-        split = [p for p in self.plan.phases if p.accumulation > 1]
-        if micro_cap is not None and self.memory is not None and split and self.main:   # auto split a batch: say how
-            p = split[0]
-            print(f"largebatch: batch.micro_batch auto: {p.per_worker_batch} images per worker as {p.accumulation} "
-                  f"micro-batches of {p.micro_batch} (the global batch and lr unchanged; BatchNorm normalises each "
-                  f"micro-batch): {self.memory.describe(p.micro_batch)}.", file=sys.stderr, flush=True)
+        # 3. the run plan (largebatch/runplan.py): the memory the device has and the run needs, the micro-batch that
+        # fits it (batch.micro_batch auto), the phases with their accumulation, steps and lr per step; before
+        # anything is written: a model whose state does not fit, or a batch that does not split, is one sentence
+        # and leaves no directory behind
+        run_plan = runplan.decide(cfg, self.data_info, world_size=self.info.world_size,
+                                  local_workers=self.info.local_world_size, train_size=len(self.train_data),
+                                  device_type=self.device.type, device=self.device)
+        self.plan, self.memory = run_plan.schedule, run_plan.estimate
+        said = run_plan.auto_split()
+        if said and self.main:   # auto split a batch: say how
+            print(f"largebatch: {said}", file=sys.stderr, flush=True)
         self.total_steps = min(self.plan.total_steps, t.max_steps or self.plan.total_steps)
         self.batches = BatchSource(self.plan, self.train_data, self.info.rank, self.info.world_size, t.seed)
 

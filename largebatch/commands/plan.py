@@ -183,39 +183,56 @@ def _kwargs(args, v: dict[str, Any]) -> dict:
                 inter=v["inter"])
 
 
+def run_config(args, v: dict[str, Any]):
+    """The run that `largebatch plan` prices, as a Config: the recipe's (or the defaults') with the plan's values
+    (a flag where given). Its batch phases and micro-batch setting are the run's; the ensemble's epochs are in
+    `epochs` already, and its lr (warm-up included) does not change how a batch splits."""
+    from largebatch import config
+
+    cfg = config.load(args.recipe) if args.recipe else config.Config()
+    cfg.model.name, cfg.model.width, cfg.model.stem = v["model"], v["width"], v["stem"]
+    cfg.data.image_size = v["image_size"]
+    cfg.data.resolution_phases = [config.ResolutionPhase(start_epoch=float(a), image_size=int(size))
+                                  for a, size in v["resolution_phases"] or []]
+    cfg.train.precision, cfg.optim.name = v["precision"], v["optimizer"]
+    cfg.batch.global_batch = v["global_batch"]
+    cfg.batch.phases = [config.BatchPhase(start_epoch=int(a), global_batch=int(gb)) for a, gb in v["batch_phases"] or []]
+    cfg.schedule.epochs, cfg.schedule.warmup_epochs = v["epochs"], 0
+    cfg.ensemble.cycles, cfg.ensemble.segments = 0, []
+    return cfg
+
+
 def _memory(args, v: dict[str, Any], kw: dict) -> dict:
-    """Memory per device from the catalog (`memory_gb`, with its source) and the estimate of largebatch/memory.py
-    for this model, resolution, precision and optimizer (momentum 0.9, no EMA): the micro-batch cap
-    that `batch.micro_batch: auto` would choose, or one sentence when not even the model's state fits. Devices
-    without a memory figure (the CPUs) are not checked."""
+    """Memory per device from the catalog (`memory_gb`, with its source) and the run plan of largebatch/runplan.py
+    for this run on `--devices` of them (the one the trainer and `train --dry-run` make): each batch's split into
+    micro-batches, or one sentence when not even the model's state fits. Devices without a memory figure (the
+    CPUs) are not checked."""
     import torch
 
-    from largebatch import memory
+    from largebatch import runplan
+    from largebatch.data.info import DatasetInfo
     from largebatch.models import build_model
     from largebatch.perf.catalog import load_catalog
-    from largebatch.perf.model import split
 
     entry = load_catalog()["devices"].get(args.device, {})
     if "memory_gb" not in entry:
         return {}
-    sizes = [v["image_size"], *(size for _, size in (v["resolution_phases"] or []))]
-    try:
+    try:   # shapes torch cannot describe: too large for any device (the estimate would only say it cannot run)
         with torch.device("meta"):
-            net = build_model(v["model"], num_classes=v["num_classes"], in_channels=v["in_channels"], stem=v["stem"],
-                              width=v["width"])
-    except (RuntimeError, ValueError):   # shapes beyond what torch can describe: too large for any device
+            build_model(v["model"], num_classes=v["num_classes"], in_channels=v["in_channels"], stem=v["stem"],
+                        width=v["width"])
+    except (RuntimeError, ValueError):
         raise UserError(f"model {v['model']} at width {v['width']} does not fit in memory (its shapes overflow); "
                         "give a smaller --width.") from None
     source = f"{entry.get('name', args.device)}: {entry.get('memory_gb_source', 'the catalog')}"
-    est = memory.estimate_net(net, in_channels=v["in_channels"], image_size=max(sizes), precision=v["precision"],
-                              optimizer=v["optimizer"], momentum=0.9, ema=False, device_type="cuda",
-                              device_bytes=int(float(entry["memory_gb"]) * 1e9), source=source
-                              ).with_other([("NCCL buffers", memory.NCCL_BYTES if args.devices > 1 else 0)])
-    batches = [gb for _, gb in (v["batch_phases"] or [])] or [v["global_batch"]]
-    cap = memory.fit_micro_batch(est, max(batches) // max(args.devices, 1), f"model {v['model']} at width "
-                                 f"{v['width']}", "a smaller --width")
-    micro, _ = split(max(batches) // max(args.devices, 1), cap)
-    return {"micro_cap": cap, "memory_note": est.describe(micro)}
+    info = DatasetInfo(v["num_classes"], v["in_channels"], v["image_size"], (0.5,) * v["in_channels"],
+                       (0.25,) * v["in_channels"], 0, 0, "plan")
+    plan = runplan.decide(run_config(args, v), info, world_size=args.devices, local_workers=args.devices_per_node,
+                          train_size=v["train_size"], device_type="cuda",
+                          device_memory=(int(float(entry["memory_gb"]) * 1e9), source))
+    splits = {p.per_worker_batch: (p.micro_batch, p.accumulation) for p in plan.schedule.phases}
+    note = plan.estimate.describe(plan.largest_micro_batch) if plan.estimate is not None else ""
+    return {"splits": splits, "memory_note": note}
 
 
 def _hms(s: float) -> str:

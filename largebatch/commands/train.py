@@ -65,25 +65,20 @@ def check_comm_layout(comm: config_mod.CommConfig, world_size: int, where: str =
 
 
 def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world size") -> dict:
-    from largebatch.schedule import Plan
-
-    from largebatch import memory
+    from largebatch import memory, runplan
 
     check_comm_layout(cfg.comm, world_size, where)
     train_size, info = _train_size(cfg)
     device_type = memory.device_type_for(cfg)
     local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "8" if device_type == "cuda" else "1")))
-    micro_cap, est = memory.resolve(cfg, info, world_size=world_size, local_workers=local, device_type=device_type,
-                                    device=None)
-    plan = Plan(cfg.batch, cfg.optim, cfg.schedule, world_size=world_size, train_size=train_size,
-                ensemble_cfg=cfg.ensemble, micro_cap=micro_cap)
+    run_plan = runplan.decide(cfg, info, world_size=world_size, local_workers=local, train_size=train_size,
+                              device_type=device_type)
+    plan, est = run_plan.schedule, run_plan.estimate
     d = plan.describe()
     first = d["phases"][0]
-    largest = max(plan.phases, key=lambda p: p.micro_batch)
-    fits = est is None or est.need(largest.micro_batch) <= est.device_bytes
-    how = ("batch.micro_batch auto: the largest micro-batch whose memory fits, the per-worker batch split evenly"
-           if micro_cap is not None else f"batch.micro_batch {cfg.batch.micro_batch}, batch.accumulation "
-           f"{cfg.batch.accumulation}")
+    largest = run_plan.largest_micro_batch
+    fits = run_plan.fits()
+    how = run_plan.how(cfg)
     return {
         "recipe": cfg.recipe, "model": cfg.model.name, "optimizer": cfg.optim.name,
         "world_size": world_size, "global_batch": first["global_batch"],
@@ -98,7 +93,7 @@ def dry_run(cfg: config_mod.Config, world_size: int, where: str = "the world siz
         "device": (f"{device_type}, {est.device_bytes / memory.GIB:.1f} GiB per worker ({est.device_source})"
                    if est is not None else device_type),
         "memory": ("not estimated (the model does not run on the meta device)" if est is None else
-                   est.describe(largest.micro_batch) + ("" if fits else " - DOES NOT FIT: lower batch.micro_batch")),
+                   est.describe(largest) + ("" if fits else " - DOES NOT FIT: lower batch.micro_batch")),
         "micro_batch_choice": how,
         **({"notes": plan.notes} if plan.notes else {}),
         **({"resolution_phases": cfg.data.resolution_phases} if cfg.data.resolution_phases else {}),

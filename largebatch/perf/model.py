@@ -29,7 +29,8 @@
    per-device batch, b_half included), plus its all-reduce of the counts (one latency step).
 8. Time-to-train = epochs x dataset / global batch x step time (an epoch charges its images, not
    a rounded-up step count: at a global batch near the dataset size the rounding would charge up
-   to twice the images) + evaluation; device-hours = devices x hours; cost = device-hours x price
+   to twice the images) + evaluation; `steps_per_epoch` is the run's own figure, dataset // global batch
+   (the trainer drops an epoch's last partial batch; largebatch/runplan.py); device-hours = devices x hours; cost = device-hours x price
    per device-hour, hardware = devices x purchase price. Where the time goes: compute (steps x t_c),
    exposed communication (steps x exposed), data (steps x data wait) and evaluation add up to time-to-train.
 9. Phases (a recipe's batch.phases and data.resolution_phases): each stretch of epochs at one global batch and
@@ -176,17 +177,6 @@ def _step(dev: Device, fwd_flops: float, b: int, topo: Topology, algorithm: str,
     return t_c, sum(comm), exposed, t_c + exposed                 # 5.
 
 
-def split(per_worker: int, cap: int | None) -> tuple[int, int]:
-    """(micro-batch, accumulation): the fewest equal micro-batches of at most `cap` images (schedule.split_batch's
-    rule; largebatch/memory.py's `batch.micro_batch: auto`)."""
-    if cap is None or cap >= per_worker:
-        return per_worker, 1
-    accumulation = -(-per_worker // cap)
-    while per_worker % accumulation:
-        accumulation += 1
-    return per_worker // accumulation, accumulation
-
-
 def _segments(epochs: float, global_batch: int, image_size: int, batch_phases: list[tuple[float, int]] | None,
               resolution_phases: list[tuple[float, int]] | None) -> list[tuple[float, float, int, int]]:
     """Step 9: (start, end, global batch, image size) of every stretch of epochs at one batch and one size. Before
@@ -214,10 +204,12 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
             purchase_price: float | None = None, eval_every: float = 4.0, eval_images: int = 50000,
             stack: str | None = None, batch_phases: list[tuple[float, int]] | None = None,
             resolution_phases: list[tuple[float, int]] | None = None, data_images_per_s: float | None = None,
-            inter: str = "halving_doubling", micro_cap: int | None = None, memory_note: str = "") -> Prediction:
-    """Predict one training plan (steps 1-10); impossible plans raise UserError. `micro_cap`: the most images of
-    one forward pass that fit a device (largebatch/memory.py); a larger per-device batch runs as equal
-    micro-batches (gradient accumulation), each paying the per-pass overhead b_half."""
+            inter: str = "halving_doubling", splits: dict[int, tuple[int, int]] | None = None,
+            memory_note: str = "") -> Prediction:
+    """Predict one training plan (steps 1-10); impossible plans raise UserError. `splits`: per-device batch ->
+    (micro-batch, accumulation), as the run splits it (largebatch/runplan.py: the micro-batch that fits the
+    device's memory); each micro-batch pays the per-pass overhead b_half. A batch it does not name runs in one
+    pass."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}.")
     if precision not in BYTES_PER_ELEMENT:
@@ -285,7 +277,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         fwd = cost.forward_flops if size == image_size else model_cost(model, size, in_channels, num_classes, stem,
                                                                           width).forward_flops
         b = gb // devices
-        micro, acc = split(b, micro_cap)
+        micro, acc = (splits or {}).get(b, (b, 1))
         t_c, comm, exposed, busy = _step(dev, fwd, b, topo, algorithm, sizes, overlap_comm, torus_x, inter, acc)
         node_busy = _step(dev, fwd, b, node_topo, algorithm, sizes, overlap_comm, node_x, inter, acc)[3]
         wait = 0.0 if data_images_per_s is None else max(0.0, b / data_images_per_s - busy)   # 5.
@@ -294,7 +286,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         eval_s = n_eval * (math.ceil(eval_images / gb) * t_c / 3.0 + count_s)
         steps = (end - start) * dataset_size / gb                       # 8.
         rows.append(dict(start_epoch=start, end_epoch=end, global_batch=gb, image_size=size, per_device_batch=b,
-                         micro_batch=micro, accumulation=acc,
+                         micro_batch=micro, accumulation=acc, steps_per_epoch=max(dataset_size // gb, 1),
                          forward_flops=fwd, compute_time_s=t_c, comm_time_s=comm, exposed_comm_s=exposed,
                          data_time_s=wait, step_time_s=step, node_busy_s=node_busy, images_per_s=gb / step,
                          steps=steps, eval_time_s=eval_s, time_s=steps * step + eval_s))
@@ -324,7 +316,7 @@ def predict(model: str = "resnet50", device: str = "v100", devices: int = 8, dev
         images_per_s_per_device=b / step, scaling_efficiency=t_c / (t_c + exposed),        # 6.
         scaling_efficiency_node=main["node_busy_s"] / (t_c + exposed),
         mfu=3.0 * main["forward_flops"] * gb / step / (devices * dev.peak_flops),
-        steps_per_epoch=math.ceil(dataset_size / gb), epochs=epochs, eval_time_s=eval_total, time_to_train_s=ttt,
+        steps_per_epoch=max(dataset_size // gb, 1), epochs=epochs, eval_time_s=eval_total, time_to_train_s=ttt,
         device_hours=hours, cost_usd=None if price_per_device_hour is None else hours * price_per_device_hour,
         hardware_usd=None if price is None else devices * float(price), stack=stack, torus_grid=grid,
         notes=notes, stack_reason=reason, data_time_s=main["data_time_s"],

@@ -125,8 +125,10 @@ def test_predict_limits_and_relations():
     assert big.scaling_efficiency <= small.scaling_efficiency <= 1.0
     assert big.step_time_s == pytest.approx(big.compute_time_s + big.exposed_comm_s)
     assert big.exposed_comm_s <= big.comm_time_s
-    # an epoch charges its images (not a rounded-up step count), plus evaluation every 4 epochs
+    # an epoch charges its images (not a rounded-up step count), plus evaluation every 4 epochs; the steps per
+    # epoch it reports are the run's (the last partial batch dropped)
     assert big.time_to_train_s == pytest.approx(90 * 1281167 / (1024 * 32) * big.step_time_s + big.eval_time_s)
+    assert big.steps_per_epoch == 1281167 // (1024 * 32) == 39
     assert 0 < big.eval_time_s < 0.05 * big.time_to_train_s
     assert predict(devices=1024, global_batch=1024 * 32, eval_every=0, **kw).eval_time_s == 0.0
     # ResNet-50: 4.09 G MACs = 8.18 GFLOPs forward, 25.6 M parameters -> fp16 gradients of 51 MB.
