@@ -13,8 +13,10 @@ Before `dist.bind_device` (commit ad5a21e) rank 1 failed here: its object collec
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +33,28 @@ TINY = ["--set", "model.name=resnet18", "--set", "model.stem=small", "--set", "m
 
 
 def _torchrun(args: list, log: Path, gpus: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node 2 tests/fake_gpus.py ARGS`; a launch that has not ended in 200 s
+    is reported (its processes and their stacks, chaos.hung_report) and killed with all it started (torchrun
+    starts each worker in a session of its own, so its own group alone would leave them running)."""
+    from largebatch.commands.chaos import _descendants, hung_report
+
     log.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LB_FAKE_GPUS": str(gpus), "LB_FAKE_GPU_LOG": str(log), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(FAKE), *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=200)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAKE),
+           *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *_descendants(proc.pid)]
+        where = hung_report(proc.pid)
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the launch did not end in 200 s:\n{where}\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _records(log: Path, rank: int) -> list[dict]:
