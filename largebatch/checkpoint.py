@@ -6,7 +6,10 @@
 3. A metadata file (`step-XXXXXXXX.json`: step, epoch, size, sha256) is written the same
    way *after* the checkpoint: a checkpoint without metadata is incomplete and ignored.
 4. `latest()` walks from the newest checkpoint back, verifying size and checksum; a corrupt or
-   truncated one is reported by name and the previous good one is used.
+   truncated one is reported by name and the previous good one is used. A checkpoint is sound as well as
+   intact: `save` writes none whose tensors are not all finite (a run that diverged holds weights of inf or
+   NaN, and every resume from them would diverge again) and records `finite` in the metadata; `latest` skips,
+   naming it, one of an older writer whose tensors are not finite.
 5. Loading uses `torch.load(weights_only=True)`: no pickled code runs.
 6. `RunState` gathers a training run's parts into one checkpoint and restores them on a resume.
 7. Deleting only what the run wrote: before a checkpoint's two files are written, their names are
@@ -93,8 +96,36 @@ def append_whole(fd: int, data: bytes, path: Path) -> None:
         raise
 
 
-def save(state: dict, directory: Path, step: int, *, keep: int | None = None, meta: dict | None = None) -> Path:
-    """Write `state` as checkpoint `step` in `directory`; keep the newest `keep` of those written here (None: all)."""
+def non_finite(state) -> str | None:
+    """The first floating-point tensor in `state` (nested dicts, lists and tuples) holding a NaN or an infinity,
+    named by its keys ('model.fc.weight'); None when all are finite. One host sync for all of them."""
+    named: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel():
+                named.append((where, value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{where}.{k}" if where else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]")
+
+    walk(state, "")
+    if not named:
+        return None
+    ok = torch.stack([t.isfinite().all().to("cpu") for _, t in named]).tolist()   # the host sync
+    return next((where for (where, _), good in zip(named, ok) if not good), None)
+
+
+def save(state: dict, directory: Path, step: int, *, keep: int | None = None, meta: dict | None = None
+         ) -> Path | None:
+    """Write `state` as checkpoint `step` in `directory`; keep the newest `keep` of those written here (None: all).
+    Nothing is written (None) when a tensor of `state` is not finite (step 4), and the caller is told why by
+    `non_finite`."""
+    if non_finite(state) is not None:
+        return None
     if directory.is_symlink():   # step 7: written through, pruning would delete files of another directory
         from largebatch.errors import UserError
 
@@ -108,7 +139,7 @@ def save(state: dict, directory: Path, step: int, *, keep: int | None = None, me
     _record(directory, [path.name, path.with_suffix(".json").name])   # before the files exist: a kill leaves none
     atomic_write(path, data)                                          # unrecorded
     info = {"step": step, "file": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "time": time.time(), **(meta or {})}
+            "time": time.time(), "finite": True, **(meta or {})}
     atomic_write(path.with_suffix(".json"), json.dumps(info, indent=1).encode())
     if keep is not None:
         prune(directory, keep)
@@ -187,17 +218,31 @@ def verify(meta_path: Path) -> dict | None:
 
 
 def latest(directory: Path, *, warn=None) -> tuple[Path, dict] | None:
-    """Newest intact checkpoint in `directory` (corrupt ones are reported and skipped)."""
+    """Newest intact and sound checkpoint in `directory` (step 4: corrupt ones and, of an older writer, ones
+    whose tensors are not finite are named and skipped)."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not directory.is_dir():
         return None
     for meta_path in _metas(directory):
         meta = verify(meta_path)
-        if meta is not None:
-            return meta_path.with_suffix(".pt"), meta
-        warn(f"largebatch: checkpoint {meta_path.with_suffix('.pt')} is corrupt or truncated "
-             f"(checksum mismatch); skipping it for an older one.")
+        path = meta_path.with_suffix(".pt")
+        if meta is None:
+            warn(f"largebatch: checkpoint {path} is corrupt or truncated (checksum mismatch); skipping it.")
+            continue
+        if "finite" not in meta:   # written before save checked: look
+            with contextlib.suppress(Exception):   # not loadable: the caller's load names it
+                bad = non_finite(load(path))
+                if bad is not None:
+                    warn(f"largebatch: checkpoint {path} holds non-finite values ({bad}: written as its run "
+                         "diverged); skipping it.")
+                    continue
+        return path, meta
     return None
+
+
+def written(directory: Path) -> list[Path]:
+    """The checkpoints of `directory` whose metadata was written (complete when written; intact or not now)."""
+    return [m.with_suffix(".pt") for m in _metas(directory)] if directory.is_dir() else []
 
 
 def all_intact(directory: Path) -> list[tuple[Path, dict]]:
@@ -249,9 +294,17 @@ class RunState:
             "noise_scale": self.noise.state_dict() if self.noise is not None else {},
         }
 
-    def save(self, step: int, epoch: float, session_wall: float) -> Path:
-        return save(self.state_dict(step, session_wall), self.directory, step, keep=self.keep,
+    def save(self, step: int, epoch: float, session_wall: float) -> Path | None:
+        """The checkpoint of `step`, or None (nothing written, said) when the run's state is not finite."""
+        state = self.state_dict(step, session_wall)
+        path = save(state, self.directory, step, keep=self.keep,
                     meta={"epoch": epoch, "config_hash": self.config_hash, **self.meta})
+        if path is None and self.main:
+            sound = latest(self.directory, warn=lambda m: None)
+            print(f"largebatch: no checkpoint written at step {step}: {non_finite(state)} is not finite (the run is "
+                  f"diverging); the newest sound checkpoint is "
+                  f"{sound[0] if sound else 'none'}.", file=sys.stderr, flush=True)
+        return path
 
     def latest(self) -> tuple[Path, dict] | None:
         """The newest intact checkpoint (`latest`; corrupt ones said by the main process only)."""

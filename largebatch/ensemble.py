@@ -34,8 +34,9 @@ SNAPSHOT_DIR = "snapshots"
 
 
 # ---------------------------------------------------------------------------- 1.-2. snapshots
-def save_snapshot(model: nn.Module, run_dir: Path, step: int, epoch: float) -> Path:
-    """Write the (already rank-synchronised) weights of a collapsed model; all snapshots are kept."""
+def save_snapshot(model: nn.Module, run_dir: Path, step: int, epoch: float) -> Path | None:
+    """Write the (already rank-synchronised) weights of a collapsed model; all snapshots are kept. None: not
+    written, its weights are not finite (checkpoint.save)."""
     return checkpoint.save({"model": model.state_dict(), "step": step}, Path(run_dir) / SNAPSHOT_DIR, step,
                            keep=None, meta={"epoch": epoch, "kind": "snapshot"})
 

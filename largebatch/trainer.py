@@ -115,6 +115,11 @@ class Trainer:
 
         # 5. what a resume changes: refused before anything is built or written, or accepted (recorded below)
         found = checkpoint.latest(self.ckpt_dir, warn=self._say) if resume else None
+        damaged = checkpoint.written(self.ckpt_dir) if resume and found is None else []
+        if damaged:   # a resume from step 0 would train the run again and append a second history to its metrics
+            raise UserError(f"--resume found {len(damaged)} checkpoint(s) in {self.ckpt_dir} but none is intact and "
+                            "sound (each named above); restore one from a copy, or start the run afresh with a new "
+                            "--run-dir.")
         self.resume_changes = self._resume_changes(cfg, found, allow_change) if resume else []
 
         # 6. model
@@ -261,14 +266,18 @@ class Trainer:
         """Train to the end (or to an agreed stop); the summary. Stops the watchdog's publisher after."""
         try:
             return self._fit()
-        except Diverged as err:   # a result of the settings: recorded as the run's status, then said
+        except Diverged as diverged:   # a result of the settings: recorded as the run's status, then said
+            sound = checkpoint.latest(self.ckpt_dir, warn=lambda m: None)
+            err = Diverged(str(diverged).rstrip(".") + (
+                f" (the newest sound checkpoint is {sound[0]}, step {sound[1]['step']})." if sound else
+                " (no sound checkpoint was written)."))
             if self.main:
                 metrics_mod.write_summary(self.run_dir, metrics_mod.diverged_summary(
                     recipe=self.cfg.recipe, run_dir=self.run_dir, reason=str(err),
                     epochs=self.plan.epoch_float(self.step), steps=self.step, world_size=self.info.world_size,
                     machine=metrics_mod.machine(self.device)))
             self.metrics.close()
-            raise
+            raise err from None
         finally:
             self.close()
 
@@ -414,8 +423,11 @@ class Trainer:
     def _save_snapshot(self) -> None:
         """Collapsed Ensemble: keep the collapsed weights (BN statistics averaged over ranks first)."""
         self._sync_buffers()
-        if self.main:
-            ensemble.save_snapshot(self.model, self.run_dir, self.step, self.plan.epoch_float(self.step))
+        if self.main and ensemble.save_snapshot(self.model, self.run_dir, self.step,
+                                                self.plan.epoch_float(self.step)) is None:
+            print(f"largebatch: no ensemble snapshot written at step {self.step}: "
+                  f"{checkpoint.non_finite(self.model.state_dict())} is not finite (the run is diverging).",
+                  file=sys.stderr, flush=True)
         if self.info.distributed:
             dist.barrier()
 

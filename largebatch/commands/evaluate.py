@@ -91,11 +91,22 @@ def run(run_dir: Path, *, use_ensemble: bool, swa: bool = False, checkpoint_path
         elif not checkpoint_path.is_file():
             what = "is a directory" if checkpoint_path.is_dir() else "does not exist"
             raise UserError(f"--checkpoint {checkpoint_path} {what}; give a step-*.pt file.")
+        meta_path = checkpoint_path.with_suffix(".json")
+        if meta_path.is_file() and checkpoint.verify(meta_path) is None:
+            raise UserError(f"--checkpoint {checkpoint_path} is damaged: it does not match the size and checksum "
+                            f"{meta_path.name} records; give another of the run's checkpoints, or restore this one.")
         try:
             state = checkpoint.load(checkpoint_path)["model"]
         except Exception as err:   # not a torch checkpoint, or not one of largebatch's
             raise UserError(f"--checkpoint {checkpoint_path} is not a largebatch checkpoint "
                             f"({type(err).__name__}); give a step-*.pt file from the run's checkpoints/.") from None
+        if not meta_path.is_file():
+            raise UserError(f"--checkpoint {checkpoint_path} has no {meta_path.name} beside it, so it cannot be "
+                            "checked for damage; copy it with its .json file from the run's checkpoints/.")
+        bad = checkpoint.non_finite(state)
+        if bad is not None:
+            raise UserError(f"--checkpoint {checkpoint_path} holds non-finite weights ({bad}: written as its run "
+                            "diverged); give an earlier checkpoint of the run.")
         was = (checkpoint.verify(checkpoint_path.with_suffix(".json")) or {}).get("model")   # what the run built
         if isinstance(was, dict) and was.get("identity") != model.built.get("identity"):
             raise UserError(f"checkpoint {checkpoint_path} was written by model {was.get('name')} "

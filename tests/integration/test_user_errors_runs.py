@@ -55,6 +55,18 @@ def test_checkpoints_that_do_not_fit(cli, main, tmp_path):
     junk.write_bytes(b"junk")
     _expect(main("evaluate", run, "--checkpoint", junk), "is not a largebatch checkpoint")
     _expect(main("evaluate", run, "--checkpoint", tmp_path), "is a directory")
+    # a damaged copy (one byte flipped, its .json beside it) and a copy without its .json: refused, not evaluated
+    own, _ = checkpoint.latest(run / "checkpoints")
+    damaged = tmp_path / "damaged" / own.name
+    damaged.parent.mkdir()
+    data = bytearray(own.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    damaged.with_suffix(".json").write_bytes(own.with_suffix(".json").read_bytes())
+    _expect(main("evaluate", run, "--checkpoint", damaged), "is damaged", "does not match the size and checksum")
+    alone = tmp_path / "alone.pt"
+    alone.write_bytes(own.read_bytes())
+    _expect(main("evaluate", run, "--checkpoint", alone), "has no alone.json beside it", "copy it with its .json")
     other = tmp_path / "other"
     cli("train", *TINY, "--set", "model.width=8", "--run-dir", other, check=True)
     path, _ = checkpoint.latest(other / "checkpoints")

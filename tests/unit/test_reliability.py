@@ -4,6 +4,9 @@ checkpoints that survive corruption and SIGKILL during writes, non-finite skippi
 The multi-process, end-to-end fault tests are in test_faults.py.
 """
 import datetime
+import hashlib
+import io
+import json
 import os
 import socket
 import time
@@ -139,6 +142,34 @@ def test_corrupt_and_truncated_checkpoints_are_named_and_skipped(tmp_path):
     assert torch.equal(checkpoint.load(path)["w"], _state(2)["w"])
 
 
+def test_a_checkpoint_is_written_only_when_sound_and_an_unsound_one_of_an_older_writer_is_skipped(tmp_path):
+    """A state with an infinity or a NaN anywhere (weights, optimizer state) is not written; what is written says
+    `finite`; a checkpoint without that key (an older writer) whose weights are not finite is named and skipped
+    for the sound one before it; a directory of damaged checkpoints alone has no latest, but `written` lists them."""
+    assert checkpoint.save(_state(1), tmp_path, 1) is not None
+    bad = _state(2)
+    bad["optimizer"] = {"state": {0: {"momentum_buffer": torch.tensor([1.0, float("inf")])}}}
+    assert checkpoint.non_finite(bad) == "optimizer.state.0.momentum_buffer"
+    assert checkpoint.save(bad, tmp_path, 2) is None and not (tmp_path / "step-00000002.pt").exists()
+    assert json.loads((tmp_path / "step-00000001.json").read_text())["finite"] is True
+    legacy = _state(3)
+    legacy["w"][7, 7] = float("nan")
+    path = tmp_path / "step-00000003.pt"   # as a writer before this check wrote it: no "finite" in its metadata
+    buf = io.BytesIO()
+    torch.save(legacy, buf)
+    path.write_bytes(buf.getvalue())
+    (tmp_path / "step-00000003.json").write_text(json.dumps({
+        "step": 3, "file": path.name, "size": len(buf.getvalue()),
+        "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}))
+    warnings: list[str] = []
+    found = checkpoint.latest(tmp_path, warn=warnings.append)
+    assert found is not None and found[0].name == "step-00000001.pt"
+    assert len(warnings) == 1 and "step-00000003.pt holds non-finite values (w" in warnings[0]
+    (tmp_path / "step-00000001.pt").write_bytes(b"damaged")
+    assert checkpoint.latest(tmp_path, warn=warnings.append) is None
+    assert [p.name for p in checkpoint.written(tmp_path)] == ["step-00000003.pt", "step-00000001.pt"]
+
+
 def _writer(directory: str, start: int) -> None:
     step = start
     while True:
@@ -174,6 +205,40 @@ def test_nonfinite_steps_are_skipped_counted_then_abort(tmp_path, monkeypatch):
         trainer.fit()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items()
                if "num_batches" not in k and "running" not in k)   # no step was applied
+
+
+@pytest.mark.timeout(120)
+def test_a_diverging_run_writes_no_unsound_checkpoint_names_the_sound_one_and_a_damaged_only_one_refuses_resume(
+        tmp_path, monkeypatch, capsys):
+    """Weights that are not finite are never checkpointed (the line names the newest sound checkpoint); the
+    diverged sentence names it too; a resume whose every checkpoint is damaged refuses in one sentence instead of
+    training the run again from step 0 and appending a second history to its metrics."""
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    trainer = Trainer(_tiny(tmp_path, "train.max_steps=2", "train.checkpoint_every=1"), run, quiet=True)
+    trainer.fit()
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("inf"))
+    assert trainer.state.save(3, 0.5, 1.0) is None and not (run / "checkpoints" / "step-00000003.pt").exists()
+    said = capsys.readouterr().err
+    assert "no checkpoint written at step 3:" in said and "is not finite" in said and "step-00000002.pt" in said
+
+    monkeypatch.setenv("LARGEBATCH_FAULTS", "nan@0:2-99")
+    with pytest.raises(UserError, match=r"consecutive steps with non-finite loss.*\(the newest sound checkpoint is "
+                                        r".*step-00000003\.pt, step 3\)\.$"):   # skipped steps: weights finite
+        Trainer(_tiny(tmp_path, "train.max_nonfinite=1", "train.checkpoint_every=1"), tmp_path / "div",
+                quiet=True).fit()
+    assert json.loads((tmp_path / "div" / "summary.json").read_text())["status"] == "diverged"
+    monkeypatch.delenv("LARGEBATCH_FAULTS")
+
+    for pt in (run / "checkpoints").glob("step-*.pt"):
+        pt.write_bytes(pt.read_bytes()[:100])   # every checkpoint damaged
+    metrics = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(UserError, match=r"--resume found 2 checkpoint\(s\) in .* but none is intact and sound"):
+        Trainer(_tiny(tmp_path, "train.max_steps=4", "train.checkpoint_every=1"), run, resume=True, quiet=True)
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
