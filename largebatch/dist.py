@@ -74,6 +74,26 @@ def check_master() -> None:
                         f"machine can resolve; give the rank-0 host's name or IP address ({TORCHRUN_FIX}).") from None
 
 
+# torchrun's variables that a worker reads, and the one it sets that nothing else does (the rendezvous run id,
+# "TORCHELASTIC_RUN_ID ... equal to the rendezvous run_id" in torchrun's documentation of its environment)
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"
+
+
+def check_launcher_env(fix: str) -> None:
+    """torchrun's variables in a process that torchrun did not start (no TORCHELASTIC_RUN_ID): values left in the
+    shell from an earlier job script, with which the process would wait for peers that never come (for
+    comm.timeout_s, then a traceback). One sentence naming them, at once; `fix` says how to start this command."""
+    if TORCHRUN_MARK in os.environ:
+        return
+    present = [f"{k}={os.environ[k]}" for k in LAUNCH_VARS if k in os.environ]
+    if present:
+        names = " ".join(k for k in LAUNCH_VARS if k in os.environ)
+        raise UserError(f"the environment holds {', '.join(present)} but no torchrun started this process (it sets "
+                        f"{TORCHRUN_MARK} for its workers), so they are left from an earlier job; run "
+                        f"'unset {names}' and start again ({fix}).")
+
+
 def restart_count() -> int:
     """Which elastic restart attempt this process belongs to (0 for the first)."""
     return env_int("TORCHELASTIC_RESTART_COUNT", 0, fix=TORCHRUN_FIX)
@@ -102,6 +122,8 @@ def attempt_store(timeout_s: float):
 def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group when launched by torchrun."""
     info = env_info()
+    if info.world_size > 1:
+        check_launcher_env("one process as it is, or N workers with --nproc-per-node N or torchrun")
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {}

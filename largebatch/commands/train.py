@@ -214,11 +214,14 @@ def _announce(run_dir: Path) -> None:
 def _check_launch(nproc_per_node: int) -> None:
     """--nproc-per-node inside a launched worker (LOCAL_RANK set): it must agree with the launch, or the run would
     silently have another number of processes than asked; a LOCAL_RANK without WORLD_SIZE is a stale value."""
+    from largebatch.dist import check_launcher_env
+
     local_rank = os.environ["LOCAL_RANK"]
     if "WORLD_SIZE" not in os.environ:
         raise UserError(f"LOCAL_RANK is set ({local_rank!r}) but WORLD_SIZE is not, so no launcher started this "
                         f"process; unset LOCAL_RANK (a value left in the environment) to let --nproc-per-node "
                         f"{nproc_per_node} start the workers.")
+    check_launcher_env(f"--nproc-per-node {nproc_per_node} then starts its own workers")
     world = env_int("WORLD_SIZE", 1, low=1)
     local = env_int("LOCAL_WORLD_SIZE", world, low=1)
     if local != nproc_per_node:

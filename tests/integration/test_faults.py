@@ -99,7 +99,7 @@ def test_preflight_mismatch_fails_fast_naming_the_rank(tmp_path):
     procs = []
     for rank, seed in ((0, 0), (1, 1)):
         env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"preflight-{port}")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "largebatch", "train", "--run-dir", str(tmp_path / "run"),
              "--set", f"train.seed={seed}", "--set", "train.max_steps=2", *TINY],

@@ -179,11 +179,30 @@ def test_the_fault_knobs_own_variables_never_stop_a_run_that_uses_none(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_plain_run_in_a_stale_launcher_environment_is_refused_at_once(tmp_path, cli):
+    """`largebatch train` (no --nproc-per-node) in a shell with an earlier job's RANK, WORLD_SIZE and MASTER_*: one
+    sentence naming them, exit 2, before any wait for peers; nothing written."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    proc = cli("train", "fashion_mnist", "--run-dir", tmp_path / "run", "--set", "data.dataset=synthetic",
+               "--set", "train.max_steps=1", "--set", "comm.timeout_s=600", env=env, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("the environment holds RANK=1, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29999 but no torchrun "
+            "started this process") in proc.stderr and "'unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env, sentence", [
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK is set ('0') but WORLD_SIZE is not"),
-    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0"},
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"},
      "--nproc-per-node 2 was given to a process that a launcher started with 1 process(es) per node"),
+    # a shell that still holds an earlier job's torchrun variables: it used to run as rank 0 of 2 and wait for
+    # comm.timeout_s (10 minutes) for a peer that never came
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "the environment holds RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT=29999 but no "
+     "torchrun started this process (it sets TORCHELASTIC_RUN_ID for its workers), so they are left from an earlier "
+     "job; run 'unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT' and start again (--nproc-per-node 2 then "
+     "starts its own workers)."),
 ])
 def test_nproc_per_node_that_a_launch_would_ignore_is_refused(tmp_path, cli, env, sentence):
     proc = cli("train", "fashion_mnist", "--nproc-per-node", "2", "--run-dir", tmp_path / "run", "--set",
