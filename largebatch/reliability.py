@@ -23,13 +23,17 @@ The pieces and the order in which the trainer uses them:
    comm.timeout_s timeout fires, or a peer died), `Watchdog.guard` sends this rank's record,
    waits 1.5 intervals for the peers' threads, reads every rank's record and raises
    `CollectiveTimeout` naming the region, the step and the ranks whose record is behind.
-5. Stop agreement. SIGTERM / SIGINT only set a local flag. Each step starts an asynchronous
+5. Stop agreement. SIGTERM, SIGINT, SIGHUP and SIGQUIT (every signal torch's agent forwards, `STOP_SIGNALS`)
+   only set a local flag. Each step starts an asynchronous
    1-element MAX all-reduce of that flag before the forward pass (it overlaps the step), and
    each step reads the flag its predecessor started, so every rank agrees to stop after the same
    step even when the signal reached them a step apart. On CUDA the flag reaches the host by a
    copy into pinned memory on a side stream that waits for that all-reduce alone, so the read
    never waits for a training step's kernels (the step has no host sync). The stop is therefore
-   one or two step boundaries after the signal; a single process stops at the next one.
+   one or two step boundaries after the signal; a single process stops at the next one. At an epoch
+   end the flag is also all-reduced at once (`asked_anywhere`), before the evaluation: a stop asked
+   during the epoch's last step writes its checkpoint without waiting for an evaluation that can
+   outlast the agent's 30 s grace period.
 6. Fault injection (a documented debugging knob, not a mock): the environment variable
    LARGEBATCH_FAULTS, e.g. ``nan@1:3,hang@1:5,kill@0:7``, makes rank R at step S poison its
    loss with NaN (``nan``), sleep ``hang_s`` seconds before checking in (``hang``), SIGKILL
@@ -254,6 +258,11 @@ class Watchdog:
 
 
 # ---------------------------------------------------------------------------------- 5. stop agreement
+# Every signal torch's elastic agent forwards to its workers (TORCHELASTIC_SIGNALS_TO_HANDLE's default,
+# "SIGTERM,SIGINT,SIGHUP,SIGQUIT"): each is a stop with a checkpoint, not a death that loses the work since the last
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 class StopAgreement:
     """Step 5: signals set a local flag; one async MAX all-reduce per step makes every rank agree."""
 
@@ -269,7 +278,7 @@ class StopAgreement:
     def install(self) -> None:
         def handler(signum, frame):
             self.signum = signum
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             with contextlib.suppress(ValueError):   # not in the main thread
                 signal.signal(sig, handler)
 
@@ -291,6 +300,18 @@ class StopAgreement:
             done = torch.cuda.Event()
             done.record()
         self._pending.append((host, done.synchronize))
+
+    def asked_anywhere(self) -> bool:
+        """Whether any rank has been asked to stop by now: one blocking MAX all-reduce of the flag, at an epoch end
+        only (before the evaluation), so that a stop that arrives during the epoch's last step is taken with its
+        checkpoint at once, not after an evaluation that can outlast the agent's grace period (30 s, then
+        SIGKILL). A single process reads its flag."""
+        asked = self.signum is not None
+        if not self.distributed:
+            return asked
+        flag = torch.full((1,), 1.0 if asked else 0.0, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())   # a host sync, once an epoch
 
     def agreed(self) -> bool:
         """Whether every rank agrees to stop after this step: a single process, whether it was asked before the

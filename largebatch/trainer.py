@@ -303,7 +303,7 @@ class Trainer:
         """while step < total: train_step; maybe snapshot, log, checkpoint; stop if every rank agreed; at an
         epoch end maybe evaluate, then checkpoint."""
         self.t_start = time.perf_counter()
-        self.stop.install()   # SIGTERM / SIGINT set a flag; ranks agree on it every step (reliability.py)
+        self.stop.install()   # SIGTERM, SIGINT, SIGHUP, SIGQUIT set a flag; ranks agree on it every step (reliability.py)
         epoch_ends = set(self.plan.epoch_end_steps())
         self.window = LogWindow(self.device, self.step, self.progress.images_seen)
         stopped = False
@@ -328,6 +328,11 @@ class Trainer:
                     stopped = True
                     break
                 if at_epoch_end:
+                    with self._guard("stop check (epoch end)"):
+                        asked = self.stop.asked_anywhere()
+                    if asked:   # the checkpoint now, not after an evaluation the agent's grace period may not cover
+                        stopped = True
+                        break
                     self._end_epoch()
         finally:
             self.display.close()

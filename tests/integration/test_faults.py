@@ -36,14 +36,33 @@ def _env(**extra) -> dict:
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
-def _sigterm_after(proc: subprocess.Popen, metrics: Path, lines: int, timeout_s: float = 200) -> None:
-    """SIGTERM to the launcher once the run has logged `lines` records to `metrics` (or it ended, or time ran out)."""
+def _sigterm_after(proc: subprocess.Popen, metrics: Path, lines: int, timeout_s: float = 200,
+                   signum: int = signal.SIGTERM) -> None:
+    """SIGTERM (or `signum`) to the launcher once the run has logged `lines` records to `metrics` (or it ended, or
+    time ran out)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
             break
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT], ids=["SIGHUP", "SIGQUIT"])
+def test_every_signal_the_agent_forwards_is_a_stop_with_a_checkpoint(tmp_path, signum):
+    """SIGHUP (a closed terminal or ssh session) and SIGQUIT, which torch's agent forwards to its workers as it does
+    SIGTERM and SIGINT, stop a one-process run at the next step with a checkpoint and exit 128 + N; before, SIGHUP
+    ended the process where it stood and SIGQUIT dumped its core, losing the work since the last checkpoint."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "largebatch", "train", "--run-dir", str(run),
+                             "--set", "train.max_steps=400", *TINY], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _sigterm_after(proc, run / "metrics.jsonl", 2, signum=signum)
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    found = checkpoint.latest(run / "checkpoints")
+    assert found is not None and 2 <= found[1]["step"] < 400 and "resume" in err and "Traceback" not in err
 
 
 def _params(run_dir: Path) -> dict:

@@ -241,6 +241,34 @@ def test_a_diverging_run_writes_no_unsound_checkpoint_names_the_sound_one_and_a_
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_asked_during_an_epochs_last_step_checkpoints_before_the_evaluation(tmp_path, monkeypatch):
+    """A stop asked while an epoch's last step runs: the checkpoint of that step is written at once and the
+    epoch's evaluation is not started (under torchrun the agent SIGKILLs 30 s after it forwards the signal, and an
+    ImageNet evaluation takes longer). Every signal the agent forwards is a stop."""
+    import signal
+
+    from largebatch.trainer import Trainer
+
+    assert set(reliability.STOP_SIGNALS) == {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+    torch.set_num_threads(1)
+    trainer = Trainer(_tiny(tmp_path, "train.max_steps=8", "data.synthetic_size=64"), tmp_path / "run", quiet=True)
+    one_step = trainer._one_step
+
+    def step_then_signal(*args):
+        stop_now = one_step(*args)
+        if trainer.step == 2:   # the first epoch's last step (64 images, batch 32)
+            trainer.stop.signum = signal.SIGHUP   # what the handler sets
+        return stop_now
+
+    monkeypatch.setattr(trainer, "_one_step", step_then_signal)
+    evaluated: list[int] = []
+    monkeypatch.setattr(trainer, "_log_eval", lambda: evaluated.append(trainer.step))
+    summary = trainer.fit()
+    assert summary == {"stopped": True, "step": 2, "signal": signal.SIGHUP} and evaluated == []
+    assert [p.name for p in checkpoint.written(tmp_path / "run" / "checkpoints")] == ["step-00000002.pt"]
+
+
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
     """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
     signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the
