@@ -112,6 +112,7 @@ class Trainer:
         self.run_dir, self.claim = rundir.agree(run_dir, resume, main=self.main, distributed=self.info.distributed,
                                                 default_name=Path(cfg.recipe).stem, store=self.store)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.run_dir_id = _identity(self.run_dir)   # `_check_run_dir`: the directory the run took, not another later
 
         # 5. what a resume changes: refused before anything is built or written, or accepted (recorded below)
         found = checkpoint.latest(self.ckpt_dir, warn=self._say) if resume else None
@@ -235,9 +236,18 @@ class Trainer:
                   f"{self.run_dir / 'config.yaml'} and as a resume entry in metrics.jsonl).")
 
     # ------------------------------------------------------------------ checkpoints
+    def _check_run_dir(self) -> None:
+        """The run directory is still the one the run took: removed or replaced under it, a checkpoint or the
+        summary would otherwise create a new directory of that name holding half a run (and exit 0)."""
+        if _identity(self.run_dir) != self.run_dir_id:
+            raise UserError(f"the run directory {self.run_dir} was removed or replaced while the run was writing to "
+                            f"it (at step {self.step}), so nothing more is written there; restore it and continue with "
+                            "--resume, or start the run again with another --run-dir.")
+
     def save_checkpoint(self) -> None:
         if self.saved_step == self.step:   # already written (e.g. a stop at an epoch end)
             return
+        self._check_run_dir()
         self.train_step.check()   # the skipped-step count goes into the checkpoint's progress
         with self._guard("checkpoint (BN sync + barrier)"):
             self._sync_buffers()   # every rank must hold the same BN statistics when they are written
@@ -471,8 +481,18 @@ class Trainer:
         finishers = [getattr(s, "finisher", None) for s in (self.train_data, self.test_data)]
         if any(f is not None for f in finishers):   # GPU decoding: valid JPEGs its decoder refused (rank 0's count)
             summary["gpu_decode_cpu_fallbacks"] = sum(getattr(f, "cpu_fallbacks", 0) for f in finishers)
+        self._check_run_dir()
         if self.main:
             metrics_mod.write_outputs(self.run_dir, summary, corrupt, plots=self.cfg.train.plots,
                                       tensorboard=self.cfg.train.tensorboard)
         self.metrics.close()
         return summary
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the directory at `path`; None when there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

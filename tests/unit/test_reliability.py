@@ -269,6 +269,32 @@ def test_a_stop_asked_during_an_epochs_last_step_checkpoints_before_the_evaluati
     assert [p.name for p in checkpoint.written(tmp_path / "run" / "checkpoints")] == ["step-00000002.pt"]
 
 
+@pytest.mark.timeout(120)
+def test_a_run_whose_directory_is_removed_under_it_stops_in_one_sentence_and_recreates_nothing(tmp_path, monkeypatch):
+    """`rm -r RUN` while it trains: the next checkpoint finds the directory gone and the run stops with one
+    sentence (before, the checkpoint made a new RUN/checkpoints/ and the run ended with exit 0 and half a run)."""
+    import shutil
+
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    trainer = Trainer(_tiny(tmp_path, "train.max_steps=6", "train.checkpoint_every=2"), run, quiet=True)
+    one_step = trainer._one_step
+
+    def step_then_remove(*args):
+        stop_now = one_step(*args)
+        if trainer.step == 3:
+            shutil.rmtree(run)
+        return stop_now
+
+    monkeypatch.setattr(trainer, "_one_step", step_then_remove)
+    with pytest.raises(UserError, match=rf"the run directory {run} was removed or replaced while the run was writing "
+                                        r"to it \(at step 4\)"):
+        trainer.fit()
+    assert not run.exists()
+
+
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
     """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
     signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the
