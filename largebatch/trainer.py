@@ -236,6 +236,27 @@ class Trainer:
                   f"{self.run_dir / 'config.yaml'} and as a resume entry in metrics.jsonl).")
 
     # ------------------------------------------------------------------ checkpoints
+    def _finished_before(self) -> dict | None:
+        """A resume of a run that had already finished (its newest checkpoint at the last step, summary.json
+        `finished`): its summary as it is, said in one line. Evaluating again would rewrite summary.json and add
+        this session's time to the time to train."""
+        import json
+
+        if self.saved_step is None or self.step < self.total_steps:
+            return None
+        try:
+            summary = json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None   # stopped or killed after its last checkpoint: its outputs are written now
+        if not isinstance(summary, dict) or summary.get("status") != "finished" or summary.get("steps") != self.step:
+            return None
+        if self.main:
+            print(f"largebatch: the run in {self.run_dir} finished at step {self.step} (summary.json); nothing is left "
+                  "to train and nothing was changed: give more schedule.epochs (or a larger train.max_steps) to train "
+                  "on.", file=sys.stderr, flush=True)
+        self.metrics.close()
+        return summary
+
     def _check_run_dir(self) -> None:
         """The run directory is still the one the run took: removed or replaced under it, a checkpoint or the
         summary would otherwise create a new directory of that name holding half a run (and exit 0)."""
@@ -313,6 +334,9 @@ class Trainer:
         """while step < total: train_step; maybe snapshot, log, checkpoint; stop if every rank agreed; at an
         epoch end maybe evaluate, then checkpoint."""
         self.t_start = time.perf_counter()
+        done = self._finished_before()
+        if done is not None:
+            return done
         self.stop.install()   # SIGTERM, SIGINT, SIGHUP, SIGQUIT set a flag; ranks agree on it every step (reliability.py)
         epoch_ends = set(self.plan.epoch_end_steps())
         self.window = LogWindow(self.device, self.step, self.progress.images_seen)

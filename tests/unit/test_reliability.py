@@ -295,6 +295,22 @@ def test_a_run_whose_directory_is_removed_under_it_stops_in_one_sentence_and_rec
     assert not run.exists()
 
 
+@pytest.mark.timeout(120)
+def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys):
+    """--resume of a run that finished: its summary as it was (no second evaluation, no second session's time in
+    the time to train), metrics.jsonl untouched, one line saying how to train on."""
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    first = Trainer(_tiny(tmp_path, "train.max_steps=2"), run, quiet=True).fit()
+    files = {p: p.read_bytes() for p in (run / "summary.json", run / "metrics.jsonl")}
+    capsys.readouterr()
+    again = Trainer(_tiny(tmp_path, "train.max_steps=2"), run, resume=True, quiet=True).fit()
+    assert again == json.loads(json.dumps(first)) and all(p.read_bytes() == b for p, b in files.items())
+    assert "finished at step 2 (summary.json); nothing is left to train" in capsys.readouterr().err
+
+
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
     """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
     signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the
