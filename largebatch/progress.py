@@ -17,11 +17,13 @@ class Progress:
     wall_before: float = 0.0      # training wall time of earlier sessions
     images_seen: int = 0
     train_time: float = 0.0       # seconds in training steps (data wait included), for images/s
+    # the decay's stretches by resumes that changed its length (schedule.Plan.stretches): [epoch, old, new horizon]
+    lr_stretches: list | None = None
 
     def state_dict(self, session_wall: float) -> dict:
         return {"best_top1": self.best_top1, "nonfinite_total": self.nonfinite_total,
                 "wall_s": self.wall_before + session_wall, "images_seen": self.images_seen,
-                "train_time": self.train_time}
+                "train_time": self.train_time, "lr_stretches": [list(map(float, s)) for s in self.lr_stretches or []]}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_top1 = state["best_top1"]
@@ -29,6 +31,7 @@ class Progress:
         self.wall_before = state["wall_s"]
         self.images_seen = state["images_seen"]
         self.train_time = state["train_time"]
+        self.lr_stretches = [tuple(s) for s in state.get("lr_stretches", [])]   # none in an older checkpoint
 
 
 class LogWindow:

@@ -238,6 +238,9 @@ class Plan:
         if self.total_steps <= 0:
             raise UserError("the schedule has no training steps; train for more epochs or use a smaller batch.")
         self.segments: list[Segment] = self._segments() if self.ensemble else []
+        # (epoch, old horizon, new horizon) of each resume that changed the decay's length, oldest first: set by the
+        # trainer from the checkpoint (`stretched_epoch`); none for a run's own first schedule
+        self.stretches: list[tuple[float, float, float]] = []
 
     # ------------------------------------------------------------------ Collapsed Ensemble (step 4)
     def step_at_epoch(self, epoch: float) -> int:
@@ -357,6 +360,21 @@ class Plan:
         phase = self.phase_at(step)
         return phase.start_epoch + (step - phase.start_step) / phase.steps_per_epoch
 
+    @property
+    def horizon(self) -> float:
+        """The epochs the decay spans (schedule.decay_epochs, else schedule.epochs)."""
+        return float(self.schedule.decay_epochs or self.schedule.epochs)
+
+    def stretched_epoch(self, epoch: float) -> float:
+        """`epoch` on the axis of the run's first schedule, through `stretches`: a resume at epoch e that changed
+        the decay's horizon from A to B maps every later epoch x to e + (x - e)(A - e)/(B - e), so the lr goes on
+        from its value at e and reaches the schedule's end at B (the decay, warm-up or milestones after e, stretched
+        or shrunk); the latest stretch first."""
+        for at, old, new in reversed(self.stretches):
+            if epoch > at and new > at:
+                epoch = at + (epoch - at) * (old - at) / (new - at)
+        return epoch
+
     def lr(self, step: int) -> float:
         if self.segments:
             seg = self.segment_at(step)
@@ -366,8 +384,9 @@ class Plan:
             return self._segment_lr(seg, seg.collapse_step) * (1.0 - u) ** 2   # collapse: poly-2 to zero
         s = self.schedule
         phase = self.phase_at(step)
-        return lr_at_epoch(self.epoch_float(step), peak_lr=phase.peak_lr, start_lr=self.start_lr,
-                           warmup_epochs=s.warmup_epochs, epochs=s.decay_epochs or s.epochs, decay=s.decay,
+        horizon = self.stretches[0][1] if self.stretches else self.horizon   # the first schedule's
+        return lr_at_epoch(self.stretched_epoch(self.epoch_float(step)), peak_lr=phase.peak_lr,
+                           start_lr=self.start_lr, warmup_epochs=s.warmup_epochs, epochs=horizon, decay=s.decay,
                            milestones=tuple(s.milestones), gamma=s.gamma, power=s.power, end_lr=s.end_lr)
 
     def epoch_end_steps(self) -> list[int]:

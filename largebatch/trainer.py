@@ -174,6 +174,7 @@ class Trainer:
                   "model": model.built})   # which model was built (models/external.py: Built)
         resumed = self.state.resume(found) if resume else None
         self.step = resumed or 0
+        self.stretch_note = self._stretch_decay(found) if resumed is not None else ""
         self.session_start = self.step   # the first step of this session (out-of-memory retries: memory.py 6)
         self.saved_step = resumed   # the newest checkpoint's step: a stop right after a resume does not rewrite it
         self.last_eval: dict | None = None
@@ -233,7 +234,36 @@ class Trainer:
                             "checkpoint": found[0].name if found else None, "changes": changes})
         listed = ", ".join(f"{key} {shown(old)} -> {shown(new)}" for key, (old, new) in changes.items())
         self._say(f"largebatch: resuming at step {self.step} with changed settings: {listed} (recorded in "
-                  f"{self.run_dir / 'config.yaml'} and as a resume entry in metrics.jsonl).")
+                  f"{self.run_dir / 'config.yaml'} and as a resume entry in metrics.jsonl){self.stretch_note}.")
+
+    def _stretch_decay(self, found: tuple[Path, dict] | None) -> str:
+        """The decay's stretches (schedule.Plan.stretches): those the checkpoint carries, and one more where this
+        resume changed the decay's length (schedule.epochs, or schedule.decay_epochs; a cosine or poly decay: a step
+        decay's milestones are epochs of their own, its lr does not depend on the length): the lr goes on from its value
+        at the resumed step and reaches the schedule's end at the new length, instead of jumping to where a run of
+        the new length would be (docs/reliability.md, What a resume may change). What it does, as a clause for the
+        resume line ("" when nothing was stretched)."""
+        stretches = list(self.progress.lr_stretches or [])
+        old_cfg = (found[1].get("config") or {}) if found else {}
+        old_schedule = old_cfg.get("schedule") if isinstance(old_cfg, dict) else None
+        note = ""
+        if isinstance(old_schedule, dict) and not self.plan.segments and self.cfg.schedule.decay in ("cosine", "poly"):
+            before = float(old_schedule.get("decay_epochs") or old_schedule.get("epochs") or self.plan.horizon)
+            after, at = self.plan.horizon, self.plan.epoch_float(self.step)
+            stretched = before != after and at < min(before, after)
+            if stretched:
+                stretches.append((at, before, after))
+            self.plan.stretches = [tuple(x) for x in stretches]
+            lr_now = self.plan.lr(self.step)   # continuous with the checkpoint's schedule where stretched
+            if stretched:
+                note = (f"; the decay is stretched from epoch {at:.4g} to end at epoch {after:g} instead of "
+                        f"{before:g}: the lr goes on from {lr_now:.4g}")
+            elif before != after:   # at or past the end of the decay it was on: there is nothing left to stretch
+                note = (f"; the run had reached the end of its decay (epoch {before:g}), so the lr follows the "
+                        f"schedule of {after:g} epochs from here: {lr_now:.4g} at this step")
+        self.progress.lr_stretches = stretches
+        self.plan.stretches = [tuple(x) for x in stretches]
+        return note
 
     # ------------------------------------------------------------------ checkpoints
     def _finished_before(self) -> dict | None:

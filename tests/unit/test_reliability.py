@@ -311,6 +311,38 @@ def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys):
     assert "finished at step 2 (summary.json); nothing is left to train" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
+def test_more_epochs_on_resume_stretch_the_decay_from_the_resumed_step_and_say_so(tmp_path, capsys):
+    """docs/reliability.md: more epochs on resume stretch the decay from the resumed step. A cosine run of 4
+    epochs stopped at epoch 2, resumed with 8: the lr at the resumed step is the one it had (it jumped by half
+    before), the resume line says what the lr does, and a later resume with no change keeps the stretch (it is in
+    the checkpoint)."""
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    base = ["data.synthetic_size=64", "schedule.decay=cosine", "schedule.warmup_epochs=0", "train.checkpoint_every=1"]
+    run = tmp_path / "run"
+    first = Trainer(_tiny(tmp_path, *base, "schedule.epochs=4", "train.max_steps=4"), run, quiet=True)
+    lr_at_4 = first.plan.lr(4)
+    first.fit()
+    capsys.readouterr()
+    longer = _tiny(tmp_path, *base, "schedule.epochs=8", "train.max_steps=6")
+    resumed = Trainer(longer, run, resume=True, quiet=True)
+    assert resumed.step == 4 and resumed.plan.lr(4) == pytest.approx(lr_at_4)
+    from largebatch.schedule import Plan
+    jumped = Plan(longer.batch, longer.optim, longer.schedule, world_size=1, train_size=64).lr(4)
+    assert jumped > 1.4 * lr_at_4   # what the run did before: the 8-epoch schedule's lr at epoch 2
+    said = capsys.readouterr().err
+    assert "the decay is stretched from epoch 2 to end at epoch 8 instead of 4: the lr goes on from" in said
+    lr_at_6 = resumed.plan.lr(6)
+    resumed.fit()
+    again = Trainer(_tiny(tmp_path, *base, "schedule.epochs=8", "train.max_steps=8"), run, resume=True, quiet=True)
+    try:
+        assert again.step == 6 and again.plan.lr(6) == pytest.approx(lr_at_6) and again.plan.lr(15) < 0.02 * lr_at_4
+    finally:
+        again.close()
+
+
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
     """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
     signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the

@@ -119,3 +119,29 @@ def test_default_warmup_never_starts_above_the_peak():
     explicit = Plan(BatchConfig(global_batch=64), OptimConfig(lr=0.5, reference_batch=256),
                     ScheduleConfig(epochs=4, warmup_epochs=1, warmup_start_lr=0.5), world_size=2, train_size=60000)
     assert explicit.lr(0) == pytest.approx(0.5)   # an explicit start is the user's
+
+
+@pytest.mark.parametrize("decay", ["cosine", "poly"])
+def test_a_resume_that_lengthens_the_decay_stretches_it_from_the_resumed_epoch(decay):
+    """A run of 4 epochs resumed at epoch 2 with 8: the lr at the resumed epoch is the one it had, the rest of
+    the decay is stretched over epochs 2-8 and ends where the schedule ends; a second stretch (8 -> 12 at epoch 5)
+    composes with the first. (A step decay's milestones are epochs of their own: its lr does not depend on the
+    length, and the trainer stretches nothing there.)"""
+    def plan(epochs, stretches=()):
+        p = Plan(BatchConfig(global_batch=256), OptimConfig(lr=1.0), ScheduleConfig(
+            epochs=epochs, warmup_epochs=1, decay=decay, end_lr=0.01),
+            world_size=1, train_size=256 * 100)
+        p.stretches = list(stretches)
+        return p
+
+    short, long_ = plan(4), plan(8, [(2.0, 4.0, 8.0)])
+    per = 100   # steps per epoch
+    assert long_.lr(2 * per) == pytest.approx(short.lr(2 * per))           # continuous at the resume
+    assert long_.lr(5 * per) == pytest.approx(short.lr(3 * per))           # epoch 5 is the old epoch 3
+    assert long_.lr(8 * per - 1) == pytest.approx(short.lr(4 * per - 1), rel=0.02)   # ends where the old one ended
+    assert plan(8).lr(2 * per + 1) != pytest.approx(short.lr(2 * per + 1))  # unstretched: the lr would jump
+    lrs = [long_.lr(s) for s in range(2 * per, 8 * per)]
+    assert all(a >= b - 1e-12 for a, b in zip(lrs, lrs[1:]))               # still a decay
+    twice = plan(12, [(2.0, 4.0, 8.0), (5.0, 8.0, 12.0)])
+    assert twice.lr(5 * per) == pytest.approx(long_.lr(5 * per))
+    assert twice.lr(12 * per - 1) == pytest.approx(short.lr(4 * per - 1), rel=0.02)
