@@ -268,12 +268,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _finished_before(self) -> dict | None:
         """A resume of a run that had already finished (its newest checkpoint at the last step, summary.json
-        `finished`): its summary as it is, said in one line. Evaluating again would rewrite summary.json and add
+        `finished`), with no setting changed: its summary as it is, said in one line. Evaluating again would rewrite summary.json and add
         this session's time to the time to train."""
         import json
 
-        if self.saved_step is None or self.step < self.total_steps:
-            return None
+        if self.saved_step is None or self.step < self.total_steps or self.resume_changes:
+            return None   # with an accepted change (train.ema, eval_flip, ...) it evaluates with it, as asked
         try:
             summary = json.loads((self.run_dir / "summary.json").read_text())
         except (OSError, ValueError):
@@ -454,7 +454,8 @@ class Trainer:
     def _log_train(self, phase, lr: float) -> None:
         """A logging step: the host syncs of training (the skipped-step counters, the window's loss)."""
         self.train_step.check()
-        window = self.window.close(self.step, self.progress.images_seen, self.info.world_size)
+        with self._guard("logging step (loss all-reduce)"):   # a lost peer here is named as in the step
+            window = self.window.close(self.step, self.progress.images_seen, self.info.world_size)
         rec = {"kind": "train", "step": self.step, "epoch": round(self.plan.epoch_float(self.step), 4),
                "loss": window.pop("loss"), "lr": lr, "global_batch": phase.global_batch, **window,
                "nonfinite_steps": self.progress.nonfinite_total,
@@ -491,14 +492,16 @@ class Trainer:
 
     def _save_snapshot(self) -> None:
         """Collapsed Ensemble: keep the collapsed weights (BN statistics averaged over ranks first)."""
-        self._sync_buffers()
+        with self._guard("ensemble snapshot (BN sync)"):
+            self._sync_buffers()
         if self.main and ensemble.save_snapshot(self.model, self.run_dir, self.step,
                                                 self.plan.epoch_float(self.step)) is None:
             print(f"largebatch: no ensemble snapshot written at step {self.step}: "
                   f"{checkpoint.non_finite(self.model.state_dict())} is not finite (the run is diverging).",
                   file=sys.stderr, flush=True)
         if self.info.distributed:
-            dist.barrier()
+            with self._guard("ensemble snapshot (barrier)"):
+                dist.barrier()
 
     def _ensemble_eval(self) -> dict:
         """Every snapshot, their softmax-average ensemble (and SWA): a metrics record and summary keys."""

@@ -343,6 +343,35 @@ def test_more_epochs_on_resume_stretch_the_decay_from_the_resumed_step_and_say_s
         again.close()
 
 
+@pytest.mark.timeout(120)
+def test_every_collective_of_the_loop_runs_inside_a_watchdog_region(tmp_path, monkeypatch):
+    """The collectives outside the training step (the logging step's loss all-reduce, an ensemble snapshot's BN
+    sync and barrier, the epoch-end stop check, evaluation, checkpoints) run inside a region of the watchdog, so
+    a peer lost there is named in one sentence as in the step, not a bare traceback per node."""
+    import contextlib
+
+    from largebatch.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(_tiny(tmp_path, "train.max_steps=6", "data.synthetic_size=64", "schedule.epochs=1",
+                            "ensemble.cycles=1", "ensemble.cycle_epochs=2", "ensemble.rewarm_epochs=0.5",
+                            "ensemble.collapse_epochs=0.5"), tmp_path / "run", quiet=True)
+    regions: set[str] = set()
+    guard = trainer.watchdog.guard
+
+    @contextlib.contextmanager
+    def recording(step, region):
+        regions.add(region)
+        with guard(step, region):
+            yield
+
+    monkeypatch.setattr(trainer.watchdog, "guard", recording)
+    trainer.fit()
+    assert {"logging step (loss all-reduce)", "ensemble snapshot (BN sync)", "stop check (epoch end)",
+            "training step (stop flag + gradient all-reduce)", "evaluation",
+            "checkpoint (BN sync + barrier)"} <= regions, regions
+
+
 def test_the_agents_keep_alive_timer_collected_on_its_own_thread_prints_nothing_else_does():
     """torch's rendezvous keep-alive `_PeriodicTimer` (the real class), left running by an agent that ended by a
     signal, collected on its own thread: its finalizer's join raises "cannot join current thread", which the
