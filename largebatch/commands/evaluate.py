@@ -1,4 +1,4 @@
-"""`largebatch evaluate RUN_DIR [--ensemble] [--swa] [--checkpoint PATH] [--nproc-per-node N]`
+"""`largebatch evaluate RUN_DIR [--ensemble] [--swa] [--checkpoint PATH] [--out FILE] [--nproc-per-node N]`
 
 Re-evaluates a finished run, distributed like training (each rank a contiguous shard of the
 test set, every image exactly once):
@@ -8,7 +8,8 @@ test set, every image exactly once):
 2. Without --ensemble: load the newest intact checkpoint (or --checkpoint) and report top-1/top-5/loss.
 3. With --ensemble: load every snapshot in RUN_DIR/snapshots, report each one and the average of
    their softmax outputs (largebatch.ensemble); --swa adds the BN-recomputed weight average.
-4. Rank 0 prints a table and one JSON line and writes RUN_DIR/evaluation.json.
+4. Rank 0 prints a table and one JSON line and writes RUN_DIR/evaluation.json (or --out FILE), a path checked
+   before any work: a read-only run directory is said at once, not after the evaluation.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start N local workers through torchrun (1: evaluate in this process)")
     p.add_argument("--batch", type=int, default=512, help="evaluation images per forward pass per worker")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where the result goes (default RUN_DIR/evaluation.json; e.g. for a read-only run directory)")
     return p
 
 
@@ -154,6 +157,13 @@ def main(argv: list[str]) -> int:
     if not args.run_dir.is_dir():
         what = "is a file, not a directory" if args.run_dir.exists() else "does not exist"
         raise UserError(f"run directory {args.run_dir} {what}; give the --run-dir of a training run.")
+    out = args.out or args.run_dir / "evaluation.json"
+    from largebatch.cli import check_output_path
+
+    if args.out is None and not os.access(args.run_dir, os.W_OK):   # before any work, not after the evaluation
+        raise UserError(f"run directory {args.run_dir} is not writable (a read-only file system or its permissions), "
+                        f"so the result cannot go to {out}; give --out FILE to write it elsewhere.")
+    check_output_path("--out", out)
     if args.nproc_per_node not in (None, 1) and "LOCAL_RANK" not in os.environ:
         return _launch(args, argv)   # one worker evaluates in this process, as without --nproc-per-node
     result = run(args.run_dir, use_ensemble=args.ensemble, swa=args.swa, checkpoint_path=args.checkpoint,
@@ -162,6 +172,7 @@ def main(argv: list[str]) -> int:
         _print(result)
         from largebatch.rundir import write_own
 
-        write_own(args.run_dir / "evaluation.json", json.dumps(result, indent=2).encode())   # whole or absent
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_own(out, json.dumps(result, indent=2).encode())   # whole or absent
         print(json.dumps(result), file=sys.stdout, flush=True)
     return 0

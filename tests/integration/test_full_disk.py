@@ -152,6 +152,32 @@ def test_evaluate_on_a_full_disk_names_evaluation_json_and_leaves_none(cli, smal
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_evaluate_on_a_read_only_run_directory_says_so_before_any_work_and_writes_to_out(cli, tmp_path):
+    """A run directory on a read-only file system (a read-only bind mount: root ignores mode bits): `evaluate`
+    refuses at once, naming --out, instead of evaluating and then losing the result; with --out the result goes
+    there."""
+    trained = tmp_path / "trained"
+    cli("train", *TINY, "--run-dir", trained, "--set", "train.plots=false", check=True, timeout=240)
+    view = tmp_path / "read-only"
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(trained), str(view)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a bind mount is not permitted here (needs root): {mounted.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        proc = cli("evaluate", view, timeout=240)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"run directory {view} is not writable" in proc.stderr and "give --out FILE" in proc.stderr
+        assert "top-1" not in proc.stderr   # said before the evaluation, not after it
+        out = tmp_path / "results" / "eval.json"
+        proc = cli("evaluate", view, "--out", out, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(out.read_text()) == json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        subprocess.run(["umount", str(view)], check=False)
+    assert not (trained / "evaluation.json").exists()
+
+
 # ---------------------------------------------------------------------------- the writers and readers
 def test_atomic_write_and_append_whole_name_the_path_and_leave_nothing_cut(small_disk):
     disk = small_disk(64 * 1024)
