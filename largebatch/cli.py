@@ -96,8 +96,45 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+# The packages every command imports; a user's file named like one of them must not take its place
+DEPENDENCIES = ("torch", "numpy", "yaml", "rich", "PIL", "matplotlib")
+
+
+def check_shadowed() -> None:
+    """A file or folder of the user's named like a package largebatch needs (`yaml.py` or `numpy/` in the working
+    directory under `python -m`, or on PYTHONPATH) would be imported in the installed package's place and fail deep
+    inside with a traceback: one sentence naming it. Only where the installed package is found further down
+    sys.path, so a package that is really installed from a checkout is left alone."""
+    import importlib.machinery
+    import importlib.util
+
+    for name in DEPENDENCIES:
+        if name in sys.modules:   # already imported (a warm process): what it is
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        origin = getattr(spec, "origin", None) if spec is not None else None
+        if not origin:
+            continue
+        path = Path(origin)
+        entry = path.parent if path.name != "__init__.py" else path.parent.parent   # the sys.path entry it is in
+        rest = [p for p in sys.path if Path(p or ".").resolve() != entry.resolve()]
+        installed = importlib.machinery.PathFinder.find_spec(name, rest)
+        if installed is not None and installed.origin and Path(installed.origin) != path:
+            shown = path if path.name != "__init__.py" else path.parent
+            raise UserError(f"{shown} is imported as the package {name} that largebatch needs, since {entry} comes "
+                            f"first on Python's path; rename it, or run from another directory (or take {entry} out "
+                            "of PYTHONPATH).")
+
+
 def run(argv: list[str] | None = None) -> NoReturn:
     """The `largebatch` program (its console script and `python -m largebatch`): `command_code`, then `exit_now`."""
+    try:
+        check_shadowed()
+    except UserError as err:
+        exit_now(report(err))
     exit_now(command_code(argv))
 
 

@@ -210,3 +210,22 @@ def test_nproc_per_node_that_a_launch_would_ignore_is_refused(tmp_path, cli, env
     assert proc.returncode == 2 and sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()   # refused before the run directory is taken
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shadow", ["yaml.py", "numpy/__init__.py"])
+def test_a_file_that_shadows_a_dependency_is_one_sentence(tmp_path, shadow):
+    """`python -m largebatch` in a directory holding a yaml.py (or a numpy/ package) of the user's: Python would
+    import it in the installed package's place and fail deep inside with a traceback; one sentence names it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / shadow
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("raise RuntimeError('not the real package')\n")
+    proc = subprocess.run([sys.executable, "-m", "largebatch", "config", "train.seed"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100)
+    shown = path if path.name != "__init__.py" else path.parent
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{shown} is imported as the package {shown.stem} that largebatch needs" in proc.stderr
+    assert f"run from another directory (or take {tmp_path} out of PYTHONPATH)" in proc.stderr
