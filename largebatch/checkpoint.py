@@ -98,7 +98,7 @@ def append_whole(fd: int, data: bytes, path: Path) -> None:
 
 def non_finite(state) -> str | None:
     """The first floating-point tensor in `state` (nested dicts, lists and tuples) holding a NaN or an infinity,
-    named by its keys ('model.fc.weight'); None when all are finite. One host sync for all of them."""
+    named by its keys ('model.fc.weight'); None when all are finite. One host sync per device they are on."""
     named: list[tuple[str, torch.Tensor]] = []
 
     def walk(value, where: str) -> None:
@@ -115,8 +115,11 @@ def non_finite(state) -> str | None:
     walk(state, "")
     if not named:
         return None
-    ok = torch.stack([t.isfinite().all().to("cpu") for _, t in named]).tolist()   # the host sync
-    return next((where for (where, _), good in zip(named, ok) if not good), None)
+    ok: dict[int, bool] = {}
+    for device in {t.device for _, t in named}:   # one host sync per device, not one per tensor
+        index = [i for i, (_, t) in enumerate(named) if t.device == device]
+        ok.update(zip(index, torch.stack([named[i][1].isfinite().all() for i in index]).tolist()))
+    return next((named[i][0] for i in range(len(named)) if not ok[i]), None)
 
 
 def save(state: dict, directory: Path, step: int, *, keep: int | None = None, meta: dict | None = None

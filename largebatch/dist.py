@@ -236,8 +236,8 @@ def bind_device(info: DistInfo) -> torch.device:
     ensure that this is set so that each rank has an individual GPU" (torch.distributed's docs); so do a barrier,
     pinned memory, an index-less `"cuda"`, and the DataLoader's pin thread (it takes the device current where its
     iterator is made). More local workers than visible GPUs is one sentence (NCCL would refuse two ranks on one
-    GPU, "Duplicate GPU detected", after the rendezvous). The current device is per thread: a thread of ours that
-    runs CUDA work sets it too (`use_device`)."""
+    GPU, "Duplicate GPU detected", after the rendezvous). The current device is per thread: the one thread of ours
+    that runs CUDA work (the comm hook's, comm/hook.py) enters `torch.cuda.device` of its buffer."""
     count = torch.cuda.device_count()
     if info.local_world_size > count or info.local_rank >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -248,13 +248,6 @@ def bind_device(info: DistInfo) -> torch.device:
     device = torch.device("cuda", info.local_rank)
     torch.cuda.set_device(device)
     return device
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` current in the calling thread (CUDA's current device is per host thread, and a new thread
-    starts at device 0): the first call of every thread of ours that touches CUDA. A no-op elsewhere."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:
